@@ -1,0 +1,106 @@
+"""`forget.checkpoint`: a drop-in for ``torch.utils.checkpoint.checkpoint``.
+
+It has the call signature and the non-reentrant behaviour of torch's
+function (keyword arguments reach the function, outputs may be any nested
+structure with non-tensors, recomputation stops early), and runs on forget's
+engine, so module state comes out as after a plain step (see NOTE [state
+tracking]) and RNG is replayed for every op that draws.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ._core import run_region
+
+__all__ = ["checkpoint"]
+
+_DETERMINISM_CHECKS = ("default", "none")
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    debug: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` keeping no activations; recompute them in backward.
+
+    Same contract as ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
+    plus forget's guarantees: buffers the function mutates (BatchNorm running
+    statistics, counters) end the step as after a plain step, not updated twice.
+    Memory: only the inputs stay alive for backward; compute: about one more
+    forward of ``function``.
+
+    Args:
+        function: what to run; may return any nested structure.
+        *args: its positional arguments.
+        use_reentrant: ``None`` or ``False``. ``True`` is accepted with a
+            ``UserWarning``: forget always uses its own (non-reentrant) engine.
+        preserve_rng_state: replay CPU and device RNG in the recomputation.
+        determinism_check: ``"default"`` compares shape, dtype and device of every
+            rebuilt tensor with the forward's; ``"none"`` skips the comparison.
+        context_fn: returns two context managers, entered around the forward and
+            the recomputation respectively (as in torch).
+        debug: accepted for compatibility; mismatch errors always name the
+            tensor, its position and both metadata.
+        **kwargs: keyword arguments of ``function``.
+
+    Returns:
+        What ``function`` returns.
+
+    Raises:
+        TypeError: ``function`` is not callable.
+        ValueError: an unknown ``determinism_check``.
+        ForgetError: see `forget.forget`.
+
+    Example:
+        >>> import torch, forget
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> y = forget.checkpoint(layer, torch.randn(2, 4), use_reentrant=False)
+        >>> y.sum().backward()
+        >>> layer.weight.grad.shape
+        torch.Size([4, 4])
+    """
+    del debug
+    if not callable(function):
+        raise TypeError(
+            f"forget: function must be callable, but got {type(function).__name__}."
+        )
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            f"forget: determinism_check must be one of {_DETERMINISM_CHECKS}, "
+            f"got {determinism_check!r}."
+        )
+    if use_reentrant:
+        warnings.warn(
+            "forget: use_reentrant=True is ignored; forget.checkpoint always runs forget's "
+            "own non-reentrant engine (keyword arguments, torch.autograd.grad and nesting "
+            "all work). Pass use_reentrant=False to silence this warning.",
+            UserWarning,
+            stacklevel=2,
+        )
+    if context_fn is None:
+        return run_region(
+            function,
+            args,
+            kwargs,
+            preserve_rng_state=preserve_rng_state,
+            check=determinism_check == "default",
+        )
+    forward_context, recompute_context = context_fn()
+    with forward_context:
+        return run_region(
+            function,
+            args,
+            kwargs,
+            preserve_rng_state=preserve_rng_state,
+            check=determinism_check == "default",
+            recompute_context=lambda: recompute_context,
+        )

@@ -1,0 +1,375 @@
+"""The forget primitive: a saved-tensor-hooks engine.
+
+NOTE [how forget works]: the forward runs ``func`` with grad enabled under
+saved-tensor hooks whose pack keeps nothing: each tensor autograd wants to
+save is replaced by a small ``_Slot`` naming its position in the region.
+The autograd graph is therefore the ordinary one (parameters of closures get
+gradients, ``torch.autograd.grad`` on any subset works, outputs keep their
+``grad_fn``), but it holds no activations. The first time backward unpacks a
+slot, the region re-runs once (``in_recomputing()`` true, the forward's RNG
+and autocast state replayed, module buffers put back, see NOTE [state
+tracking]) under hooks that collect the tensors it saves, in the same order,
+and it stops as soon as every slot still alive has its tensor.
+
+NOTE [nesting]: the inputs of a region are, to an enclosing region, tensors
+saved for backward. A region started inside another region's forward stores
+its inputs through the enclosing region's pack, so the enclosing region
+keeps none of them; they are rebuilt by the enclosing recomputation when the
+inner region needs them.
+
+NOTE [double backward]: when backward runs with ``create_graph=True`` the
+collected tensors keep their history from the recomputation (which ran on
+the original inputs), so second derivatives flow through them; otherwise
+they are detached and the recomputation's graph is dropped at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from ._errors import ForgetError, RecomputationMismatchError
+from ._state import AutocastState, RNGState, devices_of, recomputing
+from ._stateful import StateTracker, current_values, restore
+
+__all__ = ["Region", "forget", "ordinal", "run_region"]
+
+
+def ordinal(n: int) -> str:
+    """Spell ``n`` as an English ordinal: 1st, 2nd, 3rd, 4th, 11th, 12th, 21st, 111th."""
+    if 10 <= n % 100 <= 20:
+        suffix = "th"
+    else:
+        suffix = {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+class _StopRecomputation(Exception):
+    """Raised inside a recomputation once every needed tensor is rebuilt."""
+
+
+class _Packers(threading.local):
+    stack: list[Callable[[torch.Tensor], Any]]
+
+    def __init__(self) -> None:
+        self.stack = []
+
+
+# The pack function of the innermost region being run (forward or recomputation)
+# in this thread; a nested region stores its inputs through it (NOTE [nesting]).
+_packers = _Packers()
+
+
+class _Slot:
+    """What autograd holds in place of a saved tensor: a region and an index."""
+
+    __slots__ = ("__weakref__", "index", "region")
+
+    def __init__(self, region: Region, index: int) -> None:
+        self.region = region
+        self.index = index
+
+
+def _unpack(slot: Any) -> Any:
+    if isinstance(slot, _Slot):
+        return slot.region.unpack(slot.index)
+    return slot
+
+
+def _meta(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+class Region:
+    """One call of a forgotten function: what it needs to run again, and nothing more.
+
+    Args:
+        func: the function to run.
+        args: positional arguments (tensors and constants).
+        kwargs: keyword arguments (tensors and constants).
+        preserve_rng_state: replay the RNG of CPU and devices in recomputation.
+        check: compare shapes, dtypes and devices of rebuilt tensors with the forward's.
+        recompute_context: an optional context manager factory entered around the
+            recomputation (``context_fn``'s second half in ``forget.checkpoint``).
+    """
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        preserve_rng_state: bool = True,
+        check: bool = True,
+        recompute_context: Callable[[], Any] | None = None,
+    ) -> None:
+        self.func = func
+        self.check = check
+        self.recompute_context = recompute_context
+        self.preserve_rng_state = preserve_rng_state
+        flat, self._spec = pytree.tree_flatten((args, kwargs))
+        self._tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        tensors = [flat[i] for i in self._tensor_pos]
+        outer = _packers.stack[-1] if _packers.stack else None
+        # NOTE [nesting]: inputs go through the enclosing region's pack.
+        self._flat = list(flat)
+        for i in self._tensor_pos:
+            self._flat[i] = outer(flat[i]) if outer is not None else flat[i]
+        self._versions: list[int] = [t._version for t in tensors]
+        self._devices = devices_of(func, tensors)
+        self._rng: RNGState | None = None
+        self._autocast = AutocastState.capture(d.type for d in self._devices)
+        self._meta: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
+        self._ops: list[str] = []
+        self._live: dict[int, weakref.ref[_Slot]] = {}
+        self._rebuilt: dict[int, torch.Tensor] = {}
+        self._pre_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.recomputations = 0
+
+    # -- forward -------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> _Slot:
+        index = len(self._meta)
+        self._meta.append(_meta(t))
+        slot = _Slot(self, index)
+        self._live[index] = weakref.ref(slot)
+        return slot
+
+    def run_forward(self) -> Any:
+        """Run ``func`` once with grad, keeping no activation; return its output."""
+        rng = RNGState.capture(self._devices) if self.preserve_rng_state else None
+        tracker = StateTracker()
+        args, kwargs = self._inputs()
+        _packers.stack.append(self._pack)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), tracker:
+                out = self.func(*args, **kwargs)
+        finally:
+            _packers.stack.pop()
+        if tracker.used_rng:
+            self._rng = rng
+        # Values before the forward's first write, so the re-run starts where it did.
+        self._pre_forward = tracker.snapshots
+        self._versions = [self._flat_tensor(i)._version for i in range(len(self._tensor_pos))]
+        return out
+
+    def _flat_tensor(self, k: int) -> torch.Tensor:
+        value: torch.Tensor = _unpack(self._flat[self._tensor_pos[k]])
+        return value
+
+    def _inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        flat = [_unpack(v) for v in self._flat]
+        args, kwargs = pytree.tree_unflatten(flat, self._spec)
+        return args, kwargs
+
+    # -- backward ------------------------------------------------------------
+    def unpack(self, index: int) -> torch.Tensor:
+        """Return the tensor saved at ``index``, recomputing the region if needed."""
+        if index not in self._rebuilt:
+            self._recompute()
+        return self._rebuilt.pop(index)
+
+    def _recompute(self) -> None:
+        needed = {
+            i for i, ref in self._live.items() if ref() is not None and i not in self._rebuilt
+        }
+        self._live = {i: ref for i, ref in self._live.items() if ref() is not None}
+        args, kwargs = self._inputs()
+        for k in range(len(self._tensor_pos)):
+            t = self._flat_tensor(k)
+            if t._version != self._versions[k]:
+                raise ForgetError(
+                    f"forget: the {ordinal(k + 1)} tensor input of {_name(self.func)} was "
+                    f"modified in place after the forward (version {self._versions[k]} -> "
+                    f"{t._version}); the recomputation would see other values and give wrong "
+                    "gradients. Clone the tensor before modifying it, or modify it after "
+                    "backward."
+                )
+        keep_graph = torch.is_grad_enabled()
+        count = 0
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            nonlocal count
+            index = count
+            count += 1
+            if index >= len(self._meta):
+                raise RecomputationMismatchError(
+                    f"forget: the recomputation of {_name(self.func)} saved more tensors for "
+                    f"backward than its forward ({len(self._meta)}); the function must run the "
+                    "same ops both times (is it branching on global state or on "
+                    "in_recomputing()?)."
+                )
+            if self.check and _meta(t) != self._meta[index]:
+                shape, dtype, device = self._meta[index]
+                raise RecomputationMismatchError(
+                    f"forget: the {ordinal(index + 1)} tensor saved by the recomputation of "
+                    f"{_name(self.func)} differs from the forward's: forward saved "
+                    f"shape={list(shape)} dtype={dtype} device={device}, recomputation saved "
+                    f"shape={list(t.shape)} dtype={t.dtype} device={t.device}; the function "
+                    "must compute the same thing both times."
+                )
+            if index in needed:
+                self._rebuilt[index] = t if keep_graph else t.detach()
+                needed.discard(index)
+                if not needed:
+                    raise _StopRecomputation
+            return t
+
+        after_forward = current_values(self._pre_forward)
+        restore(self._pre_forward)
+        tracker = StateTracker()
+        rng = self._rng.replayed() if self._rng is not None else _null()
+        extra = self.recompute_context() if self.recompute_context is not None else _null()
+        self.recomputations += 1
+        _packers.stack.append(collect)
+        try:
+            with (
+                recomputing(),
+                torch.enable_grad(),
+                rng,
+                self._autocast.replayed(),
+                extra,
+                torch.autograd.graph.saved_tensors_hooks(collect, _identity),
+                tracker,
+            ):
+                self.func(*args, **kwargs)
+        except _StopRecomputation:
+            pass
+        finally:
+            _packers.stack.pop()
+            restore(tracker.snapshots)
+            restore(after_forward)
+        if needed:
+            raise RecomputationMismatchError(
+                f"forget: the recomputation of {_name(self.func)} saved {count} tensors for "
+                f"backward, its forward saved {len(self._meta)}; the function must run the same "
+                "ops both times."
+            )
+        self._versions = [self._flat_tensor(k)._version for k in range(len(self._tensor_pos))]
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    return f"'{name}'"
+
+
+def run_region(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    preserve_rng_state: bool = True,
+    check: bool = True,
+    recompute_context: Callable[[], Any] | None = None,
+) -> Any:
+    """Run ``func(*args, **kwargs)`` as a forgotten region and return what it returns.
+
+    Under ``torch.no_grad()`` (or inference mode) nothing is saved for backward,
+    so ``func`` just runs, once.
+    """
+    if not torch.is_grad_enabled():
+        return func(*args, **kwargs)
+    region = Region(
+        func,
+        args,
+        kwargs,
+        preserve_rng_state=preserve_rng_state,
+        check=check,
+        recompute_context=recompute_context,
+    )
+    return region.run_forward()
+
+
+def _as_input(x: Any, position: int) -> Any:
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(
+                f"forget: the {ordinal(position)} input is a numpy array of dtype {x.dtype}; "
+                "only floating-point arrays can become tensors that require grad. Convert it "
+                "with torch.from_numpy(x) and pass the tensor."
+            )
+        return torch.from_numpy(x).requires_grad_(True)
+    return x
+
+
+def _check_output(out: Any) -> None:
+    if isinstance(out, torch.Tensor):
+        return
+    if isinstance(out, tuple):
+        for i, o in enumerate(out):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(
+                    f"forget: the {ordinal(i + 1)} element of the returned tuple is not a "
+                    f"Tensor, but {type(o).__name__}; forget.forget expects func to return a "
+                    "Tensor or a tuple of Tensors (use forget.checkpoint for other outputs)."
+                )
+        return
+    raise TypeError(
+        "forget: a Tensor or a tuple of Tensors is expected from func, but "
+        f"{type(out).__name__} was returned (use forget.checkpoint for other outputs)."
+    )
+
+
+def forget(func: Callable[..., Any], *xs: Any) -> Any:
+    """Call ``func(*xs)`` without storing its intermediate results; recompute them in backward.
+
+    The forward keeps only the inputs (and the RNG state, when ``func`` draws
+    random numbers, and the pre-forward values of buffers it mutates). The first
+    time backward needs an activation of the region, ``func`` runs again, once,
+    with ``forget.in_recomputing()`` true and the same random numbers. Memory of
+    the intermediates is saved at the cost of about one more forward of ``func``.
+    Gradients are those of the plain run, bitwise on CPU.
+
+    Args:
+        func: a callable returning a Tensor or a tuple of Tensors.
+        *xs: its positional inputs: tensors, floating numpy arrays (they become
+            tensors that require grad), or other objects passed as constants.
+
+    Returns:
+        What ``func`` returns: a Tensor, or a tuple of Tensors (a 1-tuple stays one).
+
+    Raises:
+        TypeError: ``func`` is not callable, an input is an integer numpy array,
+            or ``func`` returns something other than a Tensor or tuple of Tensors.
+        ForgetError: in backward, an input was modified in place after the forward,
+            or the recomputation did not rebuild what the forward saved.
+
+    Example:
+        >>> import torch, forget
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> y = forget.forget(lambda a: (a.sin() * a).sum(), x)
+        >>> y.backward()
+        >>> torch.allclose(x.grad, torch.ones(3).sin() + torch.ones(3).cos())
+        True
+    """
+    if not callable(func):
+        raise TypeError(
+            f"forget: func must be callable, but got {type(func).__name__}; pass the "
+            "function itself, e.g. forget.forget(layer, x)."
+        )
+    inputs = tuple(_as_input(x, i + 1) for i, x in enumerate(xs))
+    out = run_region(func, inputs, {})
+    _check_output(out)
+    return out
+
+
+def flatten_tensors(value: Any) -> Sequence[torch.Tensor]:
+    """Tensors found anywhere in a nested structure of lists, tuples and dicts."""
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
