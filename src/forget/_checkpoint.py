@@ -70,9 +70,7 @@ def checkpoint(
     """
     del debug
     if not callable(function):
-        raise TypeError(
-            f"forget: function must be callable, but got {type(function).__name__}."
-        )
+        raise TypeError(f"forget: function must be callable, but got {type(function).__name__}.")
     if determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(
             f"forget: determinism_check must be one of {_DETERMINISM_CHECKS}, "

@@ -36,22 +36,16 @@ from torch.utils import _pytree as pytree
 
 from ._errors import ForgetError, RecomputationMismatchError
 from ._state import AutocastState, RNGState, devices_of, recomputing
-from ._stateful import StateTracker, current_values, restore
+from ._stateful import StateTracker, StopRecomputation, current_values, restore
 
 __all__ = ["Region", "forget", "ordinal", "run_region"]
 
 
 def ordinal(n: int) -> str:
     """Spell ``n`` as an English ordinal: 1st, 2nd, 3rd, 4th, 11th, 12th, 21st, 111th."""
-    if 10 <= n % 100 <= 20:
-        suffix = "th"
-    else:
-        suffix = {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    teen = 10 <= n % 100 <= 20
+    suffix = "th" if teen else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
-
-
-class _StopRecomputation(Exception):
-    """Raised inside a recomputation once every needed tensor is rebuilt."""
 
 
 class _Packers(threading.local):
@@ -118,6 +112,7 @@ class Region:
         tensors = [flat[i] for i in self._tensor_pos]
         outer = _packers.stack[-1] if _packers.stack else None
         # NOTE [nesting]: inputs go through the enclosing region's pack.
+        self._forward_flat: list[Any] | None = list(flat)  # dropped after the forward
         self._flat = list(flat)
         for i in self._tensor_pos:
             self._flat[i] = outer(flat[i]) if outer is not None else flat[i]
@@ -142,9 +137,13 @@ class Region:
 
     def run_forward(self) -> Any:
         """Run ``func`` once with grad, keeping no activation; return its output."""
+        flat = self._forward_flat
+        if flat is None:
+            raise RuntimeError("forget: a Region runs its forward once.")
+        self._forward_flat = None
         rng = RNGState.capture(self._devices) if self.preserve_rng_state else None
         tracker = StateTracker()
-        args, kwargs = self._inputs()
+        args, kwargs = pytree.tree_unflatten(flat, self._spec)
         _packers.stack.append(self._pack)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), tracker:
@@ -155,17 +154,8 @@ class Region:
             self._rng = rng
         # Values before the forward's first write, so the re-run starts where it did.
         self._pre_forward = tracker.snapshots
-        self._versions = [self._flat_tensor(i)._version for i in range(len(self._tensor_pos))]
+        self._versions = [flat[i]._version for i in self._tensor_pos]
         return out
-
-    def _flat_tensor(self, k: int) -> torch.Tensor:
-        value: torch.Tensor = _unpack(self._flat[self._tensor_pos[k]])
-        return value
-
-    def _inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        flat = [_unpack(v) for v in self._flat]
-        args, kwargs = pytree.tree_unflatten(flat, self._spec)
-        return args, kwargs
 
     # -- backward ------------------------------------------------------------
     def unpack(self, index: int) -> torch.Tensor:
@@ -179,19 +169,13 @@ class Region:
             i for i, ref in self._live.items() if ref() is not None and i not in self._rebuilt
         }
         self._live = {i: ref for i, ref in self._live.items() if ref() is not None}
-        args, kwargs = self._inputs()
-        for k in range(len(self._tensor_pos)):
-            t = self._flat_tensor(k)
-            if t._version != self._versions[k]:
-                raise ForgetError(
-                    f"forget: the {ordinal(k + 1)} tensor input of {_name(self.func)} was "
-                    f"modified in place after the forward (version {self._versions[k]} -> "
-                    f"{t._version}); the recomputation would see other values and give wrong "
-                    "gradients. Clone the tensor before modifying it, or modify it after "
-                    "backward."
-                )
+        # Each input slot of an enclosing region is unpacked once per re-run.
+        flat = [_unpack(v) for v in self._flat]
+        self._check_versions(flat)
+        args, kwargs = pytree.tree_unflatten(flat, self._spec)
         keep_graph = torch.is_grad_enabled()
         count = 0
+        tracker = StateTracker()
 
         def collect(t: torch.Tensor) -> torch.Tensor:
             nonlocal count
@@ -214,15 +198,21 @@ class Region:
                     "must compute the same thing both times."
                 )
             if index in needed:
-                self._rebuilt[index] = t if keep_graph else t.detach()
+                # Detached copies keep requires_grad: a nested region re-run from them
+                # must save for backward as its forward did.
+                kept = t if keep_graph else t.detach().requires_grad_(t.requires_grad)
+                self._rebuilt[index] = kept
                 needed.discard(index)
                 if not needed:
-                    raise _StopRecomputation
+                    # NOTE [early stop]: not here. An op's autograd layer saves its inputs
+                    # before its kernel runs, and the kernel may still write into one of
+                    # them (rrelu_with_noise fills its saved ``noise``). Stop when the next
+                    # op starts, once this one has finished.
+                    tracker.stop_after_current_op()
             return t
 
         after_forward = current_values(self._pre_forward)
         restore(self._pre_forward)
-        tracker = StateTracker()
         rng = self._rng.replayed() if self._rng is not None else _null()
         extra = self.recompute_context() if self.recompute_context is not None else _null()
         self.recomputations += 1
@@ -238,7 +228,7 @@ class Region:
                 tracker,
             ):
                 self.func(*args, **kwargs)
-        except _StopRecomputation:
+        except StopRecomputation:
             pass
         finally:
             _packers.stack.pop()
@@ -250,7 +240,21 @@ class Region:
                 f"backward, its forward saved {len(self._meta)}; the function must run the same "
                 "ops both times."
             )
-        self._versions = [self._flat_tensor(k)._version for k in range(len(self._tensor_pos))]
+        self._versions = [flat[i]._version for i in self._tensor_pos]
+
+    def _check_versions(self, flat: list[Any]) -> None:
+        for k, i in enumerate(self._tensor_pos):
+            if isinstance(self._flat[i], _Slot):
+                continue  # rebuilt by the enclosing region, which checks its own inputs
+            t = flat[i]
+            if t._version != self._versions[k]:
+                raise ForgetError(
+                    f"forget: the {ordinal(k + 1)} tensor input of {_name(self.func)} was "
+                    f"modified in place after the forward (version {self._versions[k]} -> "
+                    f"{t._version}); the recomputation would see other values and give wrong "
+                    "gradients. Clone the tensor before modifying it, or modify it after "
+                    "backward."
+                )
 
 
 class _null:

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["StateTracker", "restore"]
+__all__ = ["StateTracker", "StopRecomputation", "current_values", "restore"]
+
+
+class StopRecomputation(Exception):
+    """Raised inside a recomputation once every needed tensor is rebuilt."""
+
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
@@ -89,11 +94,20 @@ class StateTracker(TorchDispatchMode):
         self.used_rng = False
         self._created: set[tuple[torch.device, int]] = set()
         self._seen: set[tuple[Any, ...]] = set()
+        self._started = 0
+        self._stop_at: int | None = None
+
+    def stop_after_current_op(self) -> None:
+        """Raise `StopRecomputation` when the op after the current one starts."""
+        self._stop_at = self._started + 1
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if self._stop_at is not None and self._started >= self._stop_at:
+            raise StopRecomputation
+        self._started += 1
         if not self.used_rng and _is_seeded(func):
             self.used_rng = True
         written = _written_args(func)
