@@ -60,6 +60,22 @@ def _written_args(op: Any) -> tuple[tuple[int, str], ...]:
     return cached
 
 
+_FRESH: dict[Any, bool] = {}
+
+
+def _returns_fresh(op: Any) -> bool:
+    """Whether every output of an op is new memory, not a view or the written input.
+
+    Views (``detach``, ``t``, ``view``) and in-place results alias an input; marking
+    their storage as created would hide later writes into external state.
+    """
+    cached = _FRESH.get(op)
+    if cached is None:
+        cached = all(r.alias_info is None for r in op._schema.returns)
+        _FRESH[op] = cached
+    return cached
+
+
 def _is_seeded(op: Any) -> bool:
     cached = _SEEDED.get(op)
     if cached is None:
@@ -117,9 +133,10 @@ class StateTracker(TorchDispatchMode):
                 for t in _tensors(value):
                     self._note_write(t)
         out = func(*args, **kwargs)
-        for t in _tensors(out):
-            if t.numel():
-                self._created.add((t.device, t.untyped_storage().data_ptr()))
+        if _returns_fresh(func):
+            for t in _tensors(out):
+                if t.numel():
+                    self._created.add((t.device, t.untyped_storage().data_ptr()))
         return out
 
     def _note_write(self, t: torch.Tensor) -> None:

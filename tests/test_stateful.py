@@ -1,0 +1,169 @@
+"""Module state after a step under forget equals a plain step's, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import forget
+
+
+def _equal_state(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _equal_grads(a: nn.Module, b: nn.Module) -> bool:
+    return all(
+        (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def _bn_net(dim: int, momentum: float | None) -> nn.Module:
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dim]
+    bn = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dim]
+    return nn.Sequential(
+        conv(3, 4, 3, padding=1), bn(4, momentum=momentum), nn.ReLU(), nn.Dropout(0.2)
+    )
+
+
+def _input(dim: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(dim)
+    return torch.randn(2, 3, *([5] * dim), generator=g)
+
+
+WRAPS = {
+    "module": lambda m: m,
+    "closure": lambda m: lambda x: m(x),
+    "partial": lambda m: functools.partial(nn.Module.__call__, m),
+    "bound_forward": lambda m: m.forward,
+}
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3], ids=["1d", "2d", "3d"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+@pytest.mark.parametrize("wrap", list(WRAPS), ids=list(WRAPS))
+def test_batchnorm_state_and_grads_match_plain_over_steps(dim, momentum, wrap):
+    torch.manual_seed(0)
+    plain = _bn_net(dim, momentum)
+    ours = copy.deepcopy(plain)
+    func = WRAPS[wrap](ours)
+    for step in range(3):
+        x = _input(dim) + step
+        torch.manual_seed(step)
+        plain(x).square().mean().backward()
+        torch.manual_seed(step)
+        forget.forget(func, x).square().mean().backward()
+        assert _equal_state(plain, ours)
+        assert _equal_grads(plain, ours)
+    assert int(ours[1].num_batches_tracked) == 3
+
+
+def test_nested_regions_update_state_once():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ours = copy.deepcopy(plain)
+    x = torch.randn(6, 4)
+
+    def outer(h):
+        h = ours[0](h)
+        h = forget.forget(ours[1], h)  # inner region
+        return ours[3](ours[2](h))
+
+    plain(x).pow(2).sum().backward()
+    forget.forget(outer, x).pow(2).sum().backward()
+    assert _equal_state(plain, ours)
+    assert _equal_grads(plain, ours)
+
+
+def test_repeated_backward_leaves_state_as_plain():
+    torch.manual_seed(0)
+    plain = nn.BatchNorm1d(3)
+    ours = copy.deepcopy(plain)
+    x = torch.randn(5, 3, requires_grad=True)
+    y = plain(x).exp().sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    y2 = forget.forget(ours, x).exp().sum()
+    y2.backward(retain_graph=True)
+    y2.backward()  # a second recomputation: state still updated once
+    assert _equal_state(plain, ours)
+
+
+def test_shared_module_in_two_regions():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    ours = copy.deepcopy(plain)
+    x = torch.randn(4, 3)
+    plain(plain(x)).sum().backward()
+    forget.forget(ours, forget.forget(ours, x)).sum().backward()
+    assert _equal_state(plain, ours)
+    assert _equal_grads(plain, ours)
+
+
+class PowerIteration(nn.Module):
+    """A layer whose output depends on a buffer its forward updates (like spectral norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("u", torch.randn(4))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            v = self.weight.t() @ self.u
+            self.u.copy_(self.weight @ v / (self.weight @ v).norm())
+            self.calls += 1
+        return x @ (self.weight / (self.u @ self.weight @ v))
+
+
+def test_stateful_layer_whose_output_depends_on_its_state():
+    torch.manual_seed(0)
+    plain = PowerIteration()
+    ours = copy.deepcopy(plain)
+    x = torch.randn(3, 4, requires_grad=True)
+    for _ in range(2):
+        plain(x).tanh().sum().backward()
+        forget.forget(ours, x).tanh().sum().backward()
+    assert _equal_state(plain, ours)
+    assert _equal_grads(plain, ours)
+    assert int(ours.calls) == 2
+
+
+def test_forward_hooks_run_in_recomputation_and_see_the_flag():
+    lin = nn.Linear(3, 3)
+    seen: list[bool] = []
+    lin.register_forward_hook(lambda m, i, o: seen.append(forget.in_recomputing()))
+    forget.forget(lin, torch.randn(2, 3)).sum().backward()
+    assert seen == [False, True]
+
+
+def test_user_layer_can_branch_on_in_recomputing():
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0  # a Python attribute: not a tensor, so not tracked
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not forget.in_recomputing():
+                self.count += 1
+            return x.exp()
+
+    c = Counter()
+    forget.forget(c, torch.randn(2, requires_grad=True)).sum().backward()
+    assert c.count == 1
+
+
+def test_eval_mode_batchnorm_is_untouched():
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3).eval()
+    before = copy.deepcopy(bn.state_dict())
+    x = torch.randn(4, 3, requires_grad=True)
+    forget.forget(bn, x).exp().sum().backward()
+    assert all(torch.equal(before[k], v) for k, v in bn.state_dict().items())
