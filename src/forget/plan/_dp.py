@@ -1,0 +1,398 @@
+"""The optimal persistent schedule: a dynamic program over stage ranges and memory.
+
+This follows the recurrence of Beaumont, Eyraud-Dubois, Herrmann, Joly and
+Shilova (2019), "Optimal checkpointing for heterogeneous chains: how to train
+deep neural networks with limited memory" (the Rotor persistent DP), written
+for the memory model in `._schedule` and for trees of `Keep` / `Region`:
+to back-propagate range ``[s, t)`` within memory ``m``, either keep stage
+``s`` (``F_all(s)``, then solve ``[s+1, t)`` with ``m`` minus ``x_s`` and
+``h_s``, then ``B(s)``), or forget ``[s, k)`` (``F_ck(s)``, ``F_n`` up to
+``k-1``, solve ``[k, t)`` with ``m`` minus ``x_s``, then re-run and solve
+``[s, k)`` with ``m``). A stage with `StageOption` values offers each option
+as one more kind of keep. The top level differs only in that ``x_L`` and
+``δ_L`` are not alive before the forward reaches them.
+
+Memory is discretized into units of ``unit_bytes`` and every size is rounded
+*up* to whole units, so a schedule that fits the discretized budget fits the
+real one. The price: a schedule whose exact peak fits but whose rounded peak
+does not is missed, so the result can be slower than the exact optimum by
+what one unit of memory per buffer buys (with ~1000 units per store-all
+peak, usually nothing or a fraction of a percent). The minimum feasible
+budget is computed by a second, exact program on integer bytes, and its
+schedule is always a candidate, so every budget at or above that minimum is
+served. Cost: ``O(L^3 M)`` time and ``O(L^2 M)`` memory for ``L`` stages and
+``M`` units, vectorized over the memory axis and the split point with numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ._chain import Chain
+from ._schedule import Item, Keep, Region
+
+__all__ = ["DEFAULT_MEMORY_UNITS", "min_peak_items", "optimal_items", "unit_bytes_for"]
+
+DEFAULT_MEMORY_UNITS = 1000
+# Cells of the (L+1) x (L+1) x (M+1) tables; above it the unit gets coarser.
+_MAX_CELLS = 24_000_000
+
+_Floats = npt.NDArray[np.float64]
+_Ints = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """One way to keep a stage: the full keep (option None) or a `StageOption`."""
+
+    option: str | None
+    saved_bytes: int
+    time_s: float
+    backward_overhead_bytes: int
+
+
+def _variants(chain: Chain) -> list[list[_Variant]]:
+    out = []
+    for stage in chain.stages:
+        row = [
+            _Variant(
+                None,
+                stage.saved_bytes,
+                stage.forward_s + stage.backward_s,
+                stage.backward_overhead_bytes,
+            )
+        ]
+        for option in stage.options:
+            row.append(
+                _Variant(
+                    option.name,
+                    option.saved_bytes,
+                    stage.forward_s + stage.backward_s + option.recompute_s,
+                    stage.backward_overhead_bytes + option.backward_overhead_bytes,
+                )
+            )
+        out.append(row)
+    return out
+
+
+def store_all_peak_bytes(chain: Chain) -> int:
+    """Return the exact peak of the plain (all-keep) schedule."""
+    a = chain.activation_bytes
+    n = len(chain)
+    # Forward peaks are dominated by the running total; backward by each B.
+    held = a[0]
+    peak = a[0]
+    for i, stage in enumerate(chain.stages):
+        peak = max(peak, held + a[i + 1] + stage.saved_bytes + stage.forward_overhead_bytes)
+        held += a[i + 1] + stage.saved_bytes
+    held += a[n]  # Loss writes δ_L
+    peak = max(peak, held)
+    for i in reversed(range(n)):
+        stage = chain.stages[i]
+        peak = max(peak, held + a[i] + stage.backward_overhead_bytes)
+        held += a[i] - a[i + 1] - stage.saved_bytes - a[i + 1]
+    return peak
+
+
+def unit_bytes_for(chain: Chain, memory_units: int = DEFAULT_MEMORY_UNITS) -> int:
+    """Return the memory unit the optimal DP uses for ``chain``.
+
+    The unit depends on the chain only (not on the budget), so the planned
+    time never increases as the budget grows: ``memory_units`` units span the
+    store-all peak (the largest budget worth planning for), made coarser when
+    the tables would exceed ~24 million cells.
+
+    Args:
+        chain: the chain.
+        memory_units: the number of units across the store-all peak.
+
+    Returns:
+        The unit, in bytes (at least 1).
+    """
+    n = len(chain)
+    units = max(1, min(memory_units, _MAX_CELLS // ((n + 1) ** 2) - 1))
+    return max(1, math.ceil(store_all_peak_bytes(chain) / units))
+
+
+def _forward_peaks(a: list[int], fo: list[int]) -> list[list[int]]:
+    """G[s][k]: peak above the context of the no-grad pass over [s, k) (x_k not alive)."""
+    n = len(fo)
+    g = [[0] * (n + 1) for _ in range(n + 1)]
+    for s in range(n):
+        best = 0
+        for k in range(s + 1, n + 1):
+            j = k - 1
+            best = max(best, a[s] + (a[j] if j > s else 0) + a[k] + fo[j])
+            g[s][k] = best
+    return g
+
+
+class _Tables:
+    """The discretized DP tables for one chain, unit and memory size."""
+
+    def __init__(self, chain: Chain, unit: int, m_max: int) -> None:
+        n = len(chain)
+        self.n = n
+        self.m_max = m_max
+
+        def up(x: int) -> int:
+            return -(-x // unit)
+
+        a = [up(x) for x in chain.activation_bytes]
+        fo = [up(s.forward_overhead_bytes) for s in chain.stages]
+        self.a = a
+        self.variants = _variants(chain)
+        rv = [
+            [(up(v.saved_bytes), v.time_s, up(v.backward_overhead_bytes)) for v in row]
+            for row in self.variants
+        ]
+        self.rounded_saved = [[h for h, _, _ in row] for row in rv]
+        nograd = np.concatenate(
+            ([0.0], np.cumsum([s.forward_nograd_s for s in chain.stages], dtype=np.float64))
+        )
+        g = np.array(_forward_peaks(a, fo), dtype=np.int64)
+        size = m_max + 1
+        m_index = np.arange(size)
+        inf = np.inf
+        p = np.full((n + 1, n + 1, size), inf)
+        pc = np.zeros((n + 1, n + 1, size), dtype=np.int16)
+
+        def shifted(rows: _Floats, d: int) -> _Floats:
+            out = np.full(rows.shape, inf)
+            if d < size:
+                out[..., d:] = rows[..., : size - d]
+            return out
+
+        for length in range(1, n + 1):
+            for s in range(n - length + 1):
+                t = s + length
+                cands = []
+                for h, time_s, bo in rv[s]:
+                    row = np.full(size, inf)
+                    if length == 1:
+                        thr = a[s] + 2 * a[t] + h + max(fo[s], a[s] + bo)
+                        if thr < size:
+                            row[thr:] = time_s
+                    else:
+                        thr = max(
+                            a[s] + a[s + 1] + h + fo[s] + 2 * a[t],
+                            2 * a[s] + 2 * a[s + 1] + h + bo,
+                        )
+                        row = shifted(p[s + 1, t], a[s] + h) + time_s
+                        row[:thr] = inf
+                    cands.append(row)
+                if length >= 2:
+                    ks = np.arange(s + 1, t)
+                    cost = shifted(p[s + 1 : t, t], a[s]) + p[s, s + 1 : t]
+                    cost += (nograd[ks] - nograd[s])[:, None]
+                    thr_k = g[s, s + 1 : t] + 2 * a[t]
+                    cost[m_index[None, :] < thr_k[:, None]] = inf
+                    stack = np.vstack([np.stack(cands), cost])
+                else:
+                    stack = np.stack(cands)
+                best = np.argmin(stack, axis=0)
+                p[s, t] = stack[best, m_index]
+                pc[s, t] = best
+        q = np.full((n + 1, size), inf)
+        qc = np.zeros((n + 1, size), dtype=np.int16)
+        q[n] = 0.0
+        for s in reversed(range(n)):
+            cands = []
+            for h, time_s, bo in rv[s]:
+                if s == n - 1:
+                    row = np.full(size, inf)
+                    thr = a[s] + a[n] + h + max(fo[s], a[n] + a[s] + bo)
+                    if thr < size:
+                        row[thr:] = time_s
+                else:
+                    thr = max(a[s] + a[s + 1] + h + fo[s], 2 * a[s] + 2 * a[s + 1] + h + bo)
+                    row = shifted(q[s + 1], a[s] + h) + time_s
+                    row[:thr] = inf
+                cands.append(row)
+            ks = np.arange(s + 1, n + 1)
+            cost = shifted(q[s + 1 :], a[s]) + p[s, s + 1 :]
+            cost += (nograd[ks] - nograd[s])[:, None]
+            cost[m_index[None, :] < g[s, s + 1 :][:, None]] = inf
+            stack = np.vstack([np.stack(cands), cost])
+            best = np.argmin(stack, axis=0)
+            q[s] = stack[best, m_index]
+            qc[s] = best
+        self.p, self.pc, self.q, self.qc = p, pc, q, qc
+
+    def items(self, m: int) -> tuple[Item, ...] | None:
+        """Return the optimal items within ``m`` units, or None if none fits."""
+        if not math.isfinite(self.q[0, m]):
+            return None
+        return _rebuild(
+            self.n,
+            lambda s, t, mm: int(self.pc[s, t, mm]),
+            lambda s, mm: int(self.qc[s, mm]),
+            [len(v) for v in self.variants],
+            [[v.option for v in row] for row in self.variants],
+            lambda s, v: self.a[s] + self.rounded_saved[s][v],
+            lambda s: self.a[s],
+            m,
+        )
+
+
+def _rebuild(
+    n: int,
+    p_choice: Callable[[int, int, int], int],
+    q_choice: Callable[[int, int], int],
+    n_variants: list[int],
+    option_names: list[list[str | None]],
+    keep_used: Callable[[int, int], int],
+    region_used: Callable[[int], int],
+    m: int,
+) -> tuple[Item, ...]:
+    """Turn a DP's choices back into a tree (choice < variants: keep; else region end)."""
+
+    def solve_range(s: int, t: int | None, m: int) -> tuple[Item, ...]:
+        out: list[Item] = []
+        while True:
+            code = p_choice(s, t, m) if t is not None else q_choice(s, m)
+            end = n if t is None else t
+            if code < n_variants[s]:
+                out.append(Keep(s, option_names[s][code]))
+                if s + 1 == end:
+                    return tuple(out)
+                m -= keep_used(s, code)
+                s += 1
+            else:
+                k = s + 1 + code - n_variants[s]
+                out.append(Region(solve_range(s, k, m)))
+                if k == end:
+                    return tuple(out)
+                m -= region_used(s)
+                s = k
+
+    return solve_range(0, None, m)
+
+
+@functools.lru_cache(maxsize=4)
+def _tables(chain: Chain, unit: int, m_max: int) -> _Tables:
+    return _Tables(chain, unit, m_max)
+
+
+def optimal_items(chain: Chain, budget_bytes: int, unit: int) -> tuple[Item, ...] | None:
+    """Return the fastest items whose rounded peak fits ``budget_bytes``, or None."""
+    m = budget_bytes // unit
+    store_all_units = -(-store_all_peak_bytes(chain) // unit) + 2 * len(chain) + 2
+    m = min(m, store_all_units)
+    return _tables(chain, unit, m).items(m)
+
+
+def optimal_tables_items(
+    chain: Chain, budgets_bytes: list[int], unit: int
+) -> list[tuple[Item, ...] | None]:
+    """Return `optimal_items` for several budgets from one set of tables."""
+    if not budgets_bytes:
+        return []
+    store_all_units = -(-store_all_peak_bytes(chain) // unit) + 2 * len(chain) + 2
+    ms = [min(b // unit, store_all_units) for b in budgets_bytes]
+    tables = _tables(chain, unit, max(ms))
+    return [tables.items(m) for m in ms]
+
+
+@functools.lru_cache(maxsize=16)
+def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
+    """Return the smallest exact peak over all schedules, and a schedule reaching it.
+
+    Same recurrence as the optimal DP, on exact integer bytes and minimizing
+    the peak (ties broken by time, which is not guaranteed optimal among
+    minimum-peak schedules).
+
+    Returns:
+        ``(peak_bytes, items)``.
+    """
+    n = len(chain)
+    a = list(chain.activation_bytes)
+    fo = [s.forward_overhead_bytes for s in chain.stages]
+    variants = _variants(chain)
+    g = np.array(_forward_peaks(a, fo), dtype=np.int64)
+    nograd = np.concatenate(
+        ([0.0], np.cumsum([s.forward_nograd_s for s in chain.stages], dtype=np.float64))
+    )
+    pm = np.zeros((n + 1, n + 1), dtype=np.int64)
+    pt = np.zeros((n + 1, n + 1))
+    pc = np.zeros((n + 1, n + 1), dtype=np.int64)
+
+    def pick(peaks: _Ints, times: _Floats) -> int:
+        low = peaks.min()
+        return int(np.argmin(np.where(peaks == low, times, np.inf)))
+
+    for length in range(1, n + 1):
+        for s in range(n - length + 1):
+            t = s + length
+            peaks: list[int] = []
+            times: list[float] = []
+            for v in variants[s]:
+                h, bo = v.saved_bytes, v.backward_overhead_bytes
+                if length == 1:
+                    peaks.append(a[s] + 2 * a[t] + h + max(fo[s], a[s] + bo))
+                    times.append(v.time_s)
+                else:
+                    peaks.append(
+                        max(
+                            a[s] + a[s + 1] + h + fo[s] + 2 * a[t],
+                            a[s] + h + int(pm[s + 1, t]),
+                            2 * a[s] + 2 * a[s + 1] + h + bo,
+                        )
+                    )
+                    times.append(v.time_s + float(pt[s + 1, t]))
+            kp = np.array(peaks, dtype=np.int64)
+            kt = np.array(times)
+            if length >= 2:
+                ks = np.arange(s + 1, t)
+                rp = np.maximum(
+                    np.maximum(g[s, s + 1 : t] + 2 * a[t], a[s] + pm[s + 1 : t, t]),
+                    pm[s, s + 1 : t],
+                )
+                rt = pt[s + 1 : t, t] + pt[s, s + 1 : t] + nograd[ks] - nograd[s]
+                kp, kt = np.concatenate([kp, rp]), np.concatenate([kt, rt])
+            best = pick(kp, kt)
+            pm[s, t], pt[s, t], pc[s, t] = kp[best], kt[best], best
+    qm = np.zeros(n + 1, dtype=np.int64)
+    qt = np.zeros(n + 1)
+    qc = np.zeros(n + 1, dtype=np.int64)
+    for s in reversed(range(n)):
+        peaks = []
+        times = []
+        for v in variants[s]:
+            h, bo = v.saved_bytes, v.backward_overhead_bytes
+            if s == n - 1:
+                peaks.append(a[s] + a[n] + h + max(fo[s], a[n] + a[s] + bo))
+                times.append(v.time_s)
+            else:
+                peaks.append(
+                    max(
+                        a[s] + a[s + 1] + h + fo[s],
+                        a[s] + h + int(qm[s + 1]),
+                        2 * a[s] + 2 * a[s + 1] + h + bo,
+                    )
+                )
+                times.append(v.time_s + float(qt[s + 1]))
+        ks = np.arange(s + 1, n + 1)
+        rp = np.maximum(np.maximum(g[s, s + 1 :], a[s] + qm[s + 1 :]), pm[s, s + 1 :])
+        rt = qt[s + 1 :] + pt[s, s + 1 :] + nograd[ks] - nograd[s]
+        kp = np.concatenate([np.array(peaks, dtype=np.int64), rp])
+        kt = np.concatenate([np.array(times), rt])
+        best = pick(kp, kt)
+        qm[s], qt[s], qc[s] = kp[best], kt[best], best
+    items = _rebuild(
+        n,
+        lambda s, t, _m: int(pc[s, t]),
+        lambda s, _m: int(qc[s]),
+        [len(v) for v in variants],
+        [[v.option for v in row] for row in variants],
+        lambda s, v: 0,
+        lambda s: 0,
+        0,
+    )
+    return int(qm[0]), items
