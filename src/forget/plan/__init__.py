@@ -1,8 +1,23 @@
-"""Pure planning algorithms (no torch): fit a chain of stages into a memory budget."""
+"""Pure planning algorithms (no torch): fit a chain of stages into a memory budget.
 
+Describe a model as a `Chain` of `Stage` figures (times in seconds, sizes in
+bytes), then `solve` it for a budget: the result is a `Schedule`, a tree of
+`Keep` and nested forget `Region` items with its predicted peak and time.
+The memory model is documented in `simulate`'s module, ``forget.plan._schedule``.
+
+Example:
+    >>> from forget.plan import Chain, Stage, solve
+    >>> chain = Chain(tuple(Stage(f"l{i}", 1.0, 0.8, 2.0, 100, 100, 400) for i in range(8)))
+    >>> schedule = solve(chain, 2000)
+    >>> schedule.predicted_peak_bytes <= 2000
+    True
+"""
+
+from ._baselines import sqrt_segments as sqrt_segments
 from ._chain import Chain as Chain
 from ._chain import Stage as Stage
 from ._chain import StageOption as StageOption
+from ._revolve import revolve_forward_steps as revolve_forward_steps
 from ._schedule import Keep as Keep
 from ._schedule import Op as Op
 from ._schedule import Region as Region
@@ -10,16 +25,32 @@ from ._schedule import Schedule as Schedule
 from ._schedule import StageDecision as StageDecision
 from ._schedule import evaluate as evaluate
 from ._schedule import simulate as simulate
+from ._solve import ALGORITHMS as ALGORITHMS
+from ._solve import Algorithm as Algorithm
+from ._solve import ParetoPoint as ParetoPoint
+from ._solve import get_algorithm as get_algorithm
+from ._solve import min_feasible_bytes as min_feasible_bytes
+from ._solve import pareto as pareto
+from ._solve import solve as solve
 
 __all__ = [
+    "ALGORITHMS",
+    "Algorithm",
     "Chain",
     "Keep",
     "Op",
+    "ParetoPoint",
     "Region",
     "Schedule",
     "Stage",
     "StageDecision",
     "StageOption",
     "evaluate",
+    "get_algorithm",
+    "min_feasible_bytes",
+    "pareto",
+    "revolve_forward_steps",
     "simulate",
+    "solve",
+    "sqrt_segments",
 ]
