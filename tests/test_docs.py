@@ -1,0 +1,39 @@
+"""Examples in docstrings and in the README run, and do what they say."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+MODULES = ["forget._core", "forget._state", "forget._checkpoint", "forget.nn"]
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no example"
+    assert result.failed == 0
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_readme_python_examples_run():
+    blocks = _python_blocks(README.read_text())
+    assert blocks
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), {})
+
+
+def test_readme_names_the_ci_command():
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "./dev test" in ci
+    assert "./dev test" in README.read_text()
+    assert "./dev demo" in README.read_text()
