@@ -137,11 +137,30 @@ def test_stateful_layer_whose_output_depends_on_its_state():
 
 
 def test_forward_hooks_run_in_recomputation_and_see_the_flag():
-    lin = nn.Linear(3, 3)
+    net = nn.Sequential(nn.Linear(3, 3), nn.Tanh())  # tanh saves its output: a re-run
     seen: list[bool] = []
-    lin.register_forward_hook(lambda m, i, o: seen.append(forget.in_recomputing()))
-    forget.forget(lin, torch.randn(2, 3)).sum().backward()
+    net[1].register_forward_hook(lambda m, i, o: seen.append(forget.in_recomputing()))
+    forget.forget(net, torch.randn(2, 3)).sum().backward()
     assert seen == [False, True]
+
+
+def test_region_saving_only_inputs_and_parameters_is_not_rerun():
+    lin = nn.Linear(3, 3)
+    calls: list[bool] = []
+    lin.register_forward_hook(lambda m, i, o: calls.append(forget.in_recomputing()))
+    x = torch.randn(2, 3, requires_grad=True)
+    forget.forget(lin, x).sum().backward()
+    assert calls == [False]  # linear saves x and weight, both alive anyway
+    assert torch.equal(lin.weight.grad, torch.ones(3, 1) * x.detach().sum(0))
+
+
+def test_parameter_modified_in_place_before_backward_raises():
+    lin = nn.Linear(3, 3)
+    y = forget.forget(lin, torch.randn(2, 3, requires_grad=True))
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with pytest.raises(forget.ForgetError, match="modified in place after the forward"):
+        y.sum().backward()
 
 
 def test_user_layer_can_branch_on_in_recomputing():

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._core import run_region
+from .policies import Policy, as_policy
 
 __all__ = ["checkpoint"]
 
@@ -28,6 +29,7 @@ def checkpoint(
     determinism_check: str = "default",
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
     debug: bool = False,
+    policy: Policy | bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` keeping no activations; recompute them in backward.
@@ -50,6 +52,9 @@ def checkpoint(
             the recomputation respectively (as in torch).
         debug: accepted for compatibility; mismatch errors always name the
             tensor, its position and both metadata.
+        policy: which op outputs to keep, recompute or offload (`forget.policies`);
+            ``None``/``False`` keep nothing, ``True`` keeps everything. A keyword
+            ``policy`` therefore never reaches ``function``.
         **kwargs: keyword arguments of ``function``.
 
     Returns:
@@ -84,21 +89,15 @@ def checkpoint(
             UserWarning,
             stacklevel=2,
         )
+    options: dict[str, Any] = {
+        "preserve_rng_state": preserve_rng_state,
+        "check": determinism_check == "default",
+        "policy": as_policy(policy),
+    }
     if context_fn is None:
-        return run_region(
-            function,
-            args,
-            kwargs,
-            preserve_rng_state=preserve_rng_state,
-            check=determinism_check == "default",
-        )
+        return run_region(function, args, kwargs, **options)
     forward_context, recompute_context = context_fn()
     with forward_context:
         return run_region(
-            function,
-            args,
-            kwargs,
-            preserve_rng_state=preserve_rng_state,
-            check=determinism_check == "default",
-            recompute_context=lambda: recompute_context,
+            function, args, kwargs, recompute_context=lambda: recompute_context, **options
         )

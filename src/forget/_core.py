@@ -35,8 +35,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ._errors import ForgetError, RecomputationMismatchError
+from ._offload import Offloaded, offload, warn_cpu_once
 from ._state import AutocastState, RNGState, devices_of, recomputing
-from ._stateful import StateTracker, StopRecomputation, current_values, restore
+from ._stateful import StateTracker, StopRecomputation, current_values, hidden, restore
+from .policies import Action, Policy
 
 __all__ = ["Region", "forget", "ordinal", "run_region"]
 
@@ -50,14 +52,22 @@ def ordinal(n: int) -> str:
 
 class _Packers(threading.local):
     stack: list[Callable[[torch.Tensor], Any]]
+    trackers: list[StateTracker]
 
     def __init__(self) -> None:
         self.stack = []
+        self.trackers = []
 
 
-# The pack function of the innermost region being run (forward or recomputation)
-# in this thread; a nested region stores its inputs through it (NOTE [nesting]).
+# The pack functions of the regions being run (forward or recomputation) in this
+# thread, innermost last; a nested region stores its inputs through the innermost
+# (NOTE [nesting]). And their trackers, which know what memory the regions made.
 _packers = _Packers()
+
+
+def _external(t: torch.Tensor) -> bool:
+    """Whether no region running in this thread made ``t``'s memory (inputs, parameters)."""
+    return t.numel() > 0 and not any(tr.created(t) for tr in _packers.trackers)
 
 
 class _Slot:
@@ -70,8 +80,48 @@ class _Slot:
         self.index = index
 
 
+class _KeptSlot(_Slot):
+    """A saved tensor the region keeps: policy-kept (on the device, or offloaded) or external.
+
+    NOTE [external tensors]: a saved tensor whose memory no running region made
+    (a region input, a parameter, a view of one) is alive anyway, so keeping it costs
+    nothing and spares a recomputation; its version is checked at unpack, as
+    autograd checks the tensors it saves.
+    """
+
+    __slots__ = ("value", "version")
+
+    def __init__(
+        self,
+        region: Region,
+        index: int,
+        value: torch.Tensor | Offloaded,
+        version: int | None = None,
+    ) -> None:
+        super().__init__(region, index)
+        self.value = value
+        self.version = version
+
+    def get(self) -> torch.Tensor:
+        if isinstance(self.value, Offloaded):
+            self.region.prefetch_offloaded()
+            return self.value.fetch()
+        if self.version is not None and self.value._version != self.version:
+            raise ForgetError(
+                f"forget: a tensor of shape {list(self.value.shape)} that "
+                f"{_name(self.region.func)} saved for backward was modified in place after "
+                f"the forward (version {self.version} -> {self.value._version}); gradients "
+                "would be wrong. Modify it after backward, or clone it before."
+            )
+        return self.value
+
+
 def _unpack(slot: Any) -> Any:
+    if isinstance(slot, _KeptSlot) and not torch.is_grad_enabled():
+        return slot.get()
     if isinstance(slot, _Slot):
+        # NOTE [double backward]: under create_graph even kept tensors are rebuilt, so
+        # second derivatives flow through them.
         return slot.region.unpack(slot.index)
     return slot
 
@@ -91,6 +141,8 @@ class Region:
         check: compare shapes, dtypes and devices of rebuilt tensors with the forward's.
         recompute_context: an optional context manager factory entered around the
             recomputation (``context_fn``'s second half in ``forget.checkpoint``).
+        policy: which op outputs to keep, recompute or offload (`forget.policies`);
+            ``None`` keeps nothing.
     """
 
     def __init__(
@@ -102,8 +154,14 @@ class Region:
         preserve_rng_state: bool = True,
         check: bool = True,
         recompute_context: Callable[[], Any] | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.func = func
+        self.policy = None if policy is None or policy.saves_nothing else policy
+        self._tracker: StateTracker | None = None
+        self._kept_ops: dict[int, tuple[str, Any, Any]] = {}
+        self._offloaded: list[weakref.ref[_Slot]] = []
+        self._prefetched = False
         self.check = check
         self.recompute_context = recompute_context
         self.preserve_rng_state = preserve_rng_state
@@ -131,9 +189,40 @@ class Region:
     def _pack(self, t: torch.Tensor) -> _Slot:
         index = len(self._meta)
         self._meta.append(_meta(t))
-        slot = _Slot(self, index)
+        action = None
+        if self._tracker is not None and self._tracker.kept_storages:
+            action = self._tracker.kept_storages.get((t.device, t.untyped_storage().data_ptr()))
+        slot: _Slot
+        if action is None and _external(t):
+            with hidden():
+                # requires_grad kept: a nested region re-run from it must save as before.
+                alias = t.detach().requires_grad_(t.requires_grad)
+                slot = _KeptSlot(self, index, alias, version=t._version)
+        elif action is None or self._tracker is None:
+            slot = _Slot(self, index)
+        elif action is Action.OFFLOAD and t.device.type != "cpu":
+            with hidden():
+                slot = _KeptSlot(self, index, offload(t))
+            self._offloaded.append(weakref.ref(slot))
+        else:
+            if action is Action.OFFLOAD:
+                warn_cpu_once()
+            with hidden():
+                slot = _KeptSlot(self, index, t.detach())
         self._live[index] = weakref.ref(slot)
         return slot
+
+    def prefetch_offloaded(self) -> None:
+        """Start bringing back every offloaded tensor of the region (NOTE [offload])."""
+        if self._prefetched:
+            return
+        self._prefetched = True
+        for ref in self._offloaded:
+            slot = ref()
+            if slot is not None and isinstance(slot, _KeptSlot):
+                value = slot.value
+                if isinstance(value, Offloaded):
+                    value.prefetch()
 
     def run_forward(self) -> Any:
         """Run ``func`` once with grad, keeping no activation; return its output."""
@@ -142,16 +231,21 @@ class Region:
             raise RuntimeError("forget: a Region runs its forward once.")
         self._forward_flat = None
         rng = RNGState.capture(self._devices) if self.preserve_rng_state else None
-        tracker = StateTracker()
+        tracker = StateTracker(decide=self.policy.decide if self.policy is not None else None)
         args, kwargs = pytree.tree_unflatten(flat, self._spec)
+        self._tracker = tracker
         _packers.stack.append(self._pack)
+        _packers.trackers.append(tracker)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), tracker:
                 out = self.func(*args, **kwargs)
         finally:
             _packers.stack.pop()
+            _packers.trackers.pop()
+            self._tracker = None
         if tracker.used_rng:
             self._rng = rng
+        self._kept_ops = _offload_kept(tracker.kept)
         # Values before the forward's first write, so the re-run starts where it did.
         self._pre_forward = tracker.snapshots
         self._versions = [flat[i]._version for i in self._tensor_pos]
@@ -165,17 +259,21 @@ class Region:
         return self._rebuilt.pop(index)
 
     def _recompute(self) -> None:
-        needed = {
-            i for i, ref in self._live.items() if ref() is not None and i not in self._rebuilt
-        }
+        keep_graph = torch.is_grad_enabled()
         self._live = {i: ref for i, ref in self._live.items() if ref() is not None}
+        needed = {
+            i
+            for i, ref in self._live.items()
+            if i not in self._rebuilt and (keep_graph or not isinstance(ref(), _KeptSlot))
+        }
         # Each input slot of an enclosing region is unpacked once per re-run.
         flat = [_unpack(v) for v in self._flat]
         self._check_versions(flat)
         args, kwargs = pytree.tree_unflatten(flat, self._spec)
-        keep_graph = torch.is_grad_enabled()
         count = 0
-        tracker = StateTracker()
+        # NOTE [policy replay]: kept op outputs stand in for their ops, except under
+        # create_graph, where the ops run again so their outputs carry history.
+        tracker = StateTracker(replay=None if keep_graph else _fetch_kept(self._kept_ops))
 
         def collect(t: torch.Tensor) -> torch.Tensor:
             nonlocal count
@@ -200,7 +298,8 @@ class Region:
             if index in needed:
                 # Detached copies keep requires_grad: a nested region re-run from them
                 # must save for backward as its forward did.
-                kept = t if keep_graph else t.detach().requires_grad_(t.requires_grad)
+                with hidden():
+                    kept = t if keep_graph else t.detach().requires_grad_(t.requires_grad)
                 self._rebuilt[index] = kept
                 needed.discard(index)
                 if not needed:
@@ -209,14 +308,29 @@ class Region:
                     # them (rrelu_with_noise fills its saved ``noise``). Stop when the next
                     # op starts, once this one has finished.
                     tracker.stop_after_current_op()
-            return t
+            # What the re-run's own graph keeps: a detached alias. The tensor itself
+            # would, for an op's output, make a cycle through its grad_fn that the
+            # garbage collector cannot see (it runs through C++), leaking the region.
+            with hidden():
+                return t.detach()
 
+        # Versions of kept external tensors before the re-run: its own in-place writes
+        # (restored afterwards) must not read as the user's (NOTE [external tensors]).
+        external = [
+            slot
+            for ref in self._live.values()
+            if isinstance(slot := ref(), _KeptSlot) and slot.version is not None
+        ]
+        versions_before = [
+            slot.value._version for slot in external if isinstance(slot.value, torch.Tensor)
+        ]
         after_forward = current_values(self._pre_forward)
         restore(self._pre_forward)
         rng = self._rng.replayed() if self._rng is not None else _null()
         extra = self.recompute_context() if self.recompute_context is not None else _null()
         self.recomputations += 1
         _packers.stack.append(collect)
+        _packers.trackers.append(tracker)
         try:
             with (
                 recomputing(),
@@ -232,8 +346,12 @@ class Region:
             pass
         finally:
             _packers.stack.pop()
+            _packers.trackers.pop()
             restore(tracker.snapshots)
             restore(after_forward)
+            for slot, before in zip(external, versions_before, strict=True):
+                assert slot.version is not None and isinstance(slot.value, torch.Tensor)
+                slot.version += slot.value._version - before
         if needed:
             raise RecomputationMismatchError(
                 f"forget: the recomputation of {_name(self.func)} saved {count} tensors for "
@@ -255,6 +373,31 @@ class Region:
                     "gradients. Clone the tensor before modifying it, or modify it after "
                     "backward."
                 )
+
+
+def _offload_kept(kept: dict[int, tuple[str, Any, Any]]) -> dict[int, tuple[str, Any, Any]]:
+    """Move the kept outputs of offloading ops to host memory (device tensors only)."""
+    out = {}
+    for position, (name, outputs, action) in kept.items():
+        if action is Action.OFFLOAD:
+            outputs = pytree.tree_map(
+                lambda t: offload(t) if isinstance(t, torch.Tensor) and t.is_cuda else t,
+                outputs,
+            )
+        out[position] = (name, outputs, action)
+    return out
+
+
+def _fetch_kept(kept: dict[int, tuple[str, Any, Any]]) -> dict[int, tuple[str, Any, Any]]:
+    """The kept outputs, offloaded ones brought back, for a recomputation to replay."""
+    return {
+        position: (
+            name,
+            pytree.tree_map(lambda v: v.fetch() if isinstance(v, Offloaded) else v, outputs),
+            action,
+        )
+        for position, (name, outputs, action) in kept.items()
+    }
 
 
 class _null:
@@ -282,6 +425,7 @@ def run_region(
     preserve_rng_state: bool = True,
     check: bool = True,
     recompute_context: Callable[[], Any] | None = None,
+    policy: Policy | None = None,
 ) -> Any:
     """Run ``func(*args, **kwargs)`` as a forgotten region and return what it returns.
 
@@ -297,6 +441,7 @@ def run_region(
         preserve_rng_state=preserve_rng_state,
         check=check,
         recompute_context=recompute_context,
+        policy=policy,
     )
     return region.run_forward()
 

@@ -19,12 +19,17 @@ kept only for regions that need it.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["StateTracker", "StopRecomputation", "current_values", "restore"]
+from ._errors import RecomputationMismatchError
+
+__all__ = ["StateTracker", "StopRecomputation", "current_values", "hidden", "restore"]
 
 
 class StopRecomputation(Exception):
@@ -96,22 +101,71 @@ def _key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
+Decide = Callable[[str, int], Any]
+
+
+class _Hiding(threading.local):
+    depth = 0
+
+
+_hiding = _Hiding()
+
+
+@contextlib.contextmanager
+def hidden() -> Iterator[None]:
+    """Let ops run unseen by every tracker of this thread.
+
+    The engine's own bookkeeping (detaching a saved tensor in a hook) must not
+    shift the op positions that policy replay relies on.
+    """
+    _hiding.depth += 1
+    try:
+        yield
+    finally:
+        _hiding.depth -= 1
+
+
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
 class StateTracker(TorchDispatchMode):
-    """Record external tensors written in place, and whether RNG was drawn.
+    """Record external tensors written in place, whether RNG was drawn, and policy outputs.
+
+    NOTE [policy replay]: with a policy, the forward keeps the outputs of the ops the
+    policy saves, by op position (``kept``); the recomputation, given them as
+    ``replay``, returns them instead of running those ops again. A kept output that a
+    later op writes into is copied first (copy on write), so what is replayed is the
+    value the op produced. Ops that draw random numbers are never kept: skipping one
+    would shift the random stream of the ops after it.
 
     Attributes:
         snapshots: (tensor, value before its first write) in order of first write.
         used_rng: True when an op tagged ``nondeterministic_seeded`` ran.
+        kept: op position -> (op name, outputs, action) of policy-kept outputs.
+        kept_storages: storage key -> action, for the pack hook to look up.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        decide: Decide | None = None,
+        replay: dict[int, tuple[str, Any, Any]] | None = None,
+    ) -> None:
         super().__init__()
+        self._decide = decide
+        self._replay = replay
+        self.kept: dict[int, tuple[str, Any, Any]] = {}
+        self.kept_storages: dict[tuple[torch.device, int], Any] = {}
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.used_rng = False
         self._created: set[tuple[torch.device, int]] = set()
         self._seen: set[tuple[Any, ...]] = set()
         self._started = 0
         self._stop_at: int | None = None
+
+    def created(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory was made by an op this tracker saw."""
+        return _storage_key(t) in self._created
 
     def stop_after_current_op(self) -> None:
         """Raise `StopRecomputation` when the op after the current one starts."""
@@ -121,9 +175,17 @@ class StateTracker(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _hiding.depth:
+            return func(*args, **kwargs)
         if self._stop_at is not None and self._started >= self._stop_at:
             raise StopRecomputation
+        position = self._started
         self._started += 1
+        if self._replay is not None and position in self._replay:
+            name, outputs, _ = self._replay[position]
+            if name != str(func):
+                raise _ReplayMismatch(name, str(func), position)
+            return _fresh_aliases(outputs)
         if not self.used_rng and _is_seeded(func):
             self.used_rng = True
         written = _written_args(func)
@@ -134,21 +196,73 @@ class StateTracker(TorchDispatchMode):
                     self._note_write(t)
         out = func(*args, **kwargs)
         if _returns_fresh(func):
-            for t in _tensors(out):
+            tensors = _tensors(out)
+            for t in tensors:
                 if t.numel():
-                    self._created.add((t.device, t.untyped_storage().data_ptr()))
+                    self._created.add(_storage_key(t))
+            if self._decide is not None and tensors and not _is_seeded(func):
+                self._keep(position, func, out, tensors)
         return out
+
+    def _keep(self, position: int, func: Any, out: Any, tensors: list[torch.Tensor]) -> None:
+        assert self._decide is not None
+        nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
+        action = self._decide(str(func), nbytes)
+        if action.value == "recompute":
+            return
+        self.kept[position] = (str(func), _fresh_aliases(out), action)
+        for t in tensors:
+            self.kept_storages[_storage_key(t)] = action
+
+    def _copy_kept_before_write(self, t: torch.Tensor) -> None:
+        """Copy on write: a kept or replayed output is about to be written into."""
+        key = _storage_key(t)
+        for table in (self.kept, self._replay or {}):
+            for position, (name, outputs, action) in list(table.items()):
+                if any(_storage_key(o) == key for o in _tensors(outputs)):
+                    table[position] = (name, _clones(outputs), action)
 
     def _note_write(self, t: torch.Tensor) -> None:
         if t.numel() == 0 or t.device.type == "meta":
             return
-        if (t.device, t.untyped_storage().data_ptr()) in self._created:
+        if _storage_key(t) in self._created:
+            if self.kept or self._replay:
+                self._copy_kept_before_write(t)
             return
         key = _key(t)
         if key in self._seen:
             return
         self._seen.add(key)
         self.snapshots.append((t, t.detach().clone()))
+
+
+class _ReplayMismatch(RecomputationMismatchError):
+    def __init__(self, kept: str, now: str, position: int) -> None:
+        super().__init__(
+            f"forget: the recomputation ran {now} as op {position + 1} where the forward ran "
+            f"{kept}, whose output the policy kept; the function must run the same ops both "
+            "times."
+        )
+
+
+def _fresh_aliases(outputs: Any) -> Any:
+    """Detached aliases of the tensors in an op's outputs (new objects, same memory)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach()
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+    return outputs
+
+
+def _clones(outputs: Any) -> Any:
+    with torch.no_grad():
+        if isinstance(outputs, torch.Tensor):
+            return outputs.detach().clone()
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(
+                o.detach().clone() if isinstance(o, torch.Tensor) else o for o in outputs
+            )
+        return outputs
 
 
 def restore(snapshots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from ._core import run_region
+from .policies import Policy, as_policy
 
 __all__ = ["Forget", "ForgetSequential", "forget_sequential"]
 
@@ -26,6 +27,8 @@ class Forget(nn.Module):
     Args:
         module: the module to wrap.
         preserve_rng_state: replay RNG in the recomputation (dropout stays exact).
+        policy: which op outputs to keep, recompute or offload (`forget.policies`);
+            ``None`` keeps nothing.
 
     Example:
         >>> import torch, forget
@@ -35,12 +38,19 @@ class Forget(nn.Module):
         >>> block(torch.randn(2, 3)).sum().backward()
     """
 
-    def __init__(self, module: nn.Module, *, preserve_rng_state: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        preserve_rng_state: bool = True,
+        policy: Policy | bool | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"forget: Forget wraps an nn.Module, got {type(module).__name__}.")
         self.module = module
         self.preserve_rng_state = preserve_rng_state
+        self.policy = as_policy(policy)
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
 

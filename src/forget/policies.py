@@ -1,0 +1,210 @@
+"""Per-op policies inside a forgotten region: save, recompute, or offload.
+
+Forgetting a whole block recomputes everything in it, matmuls included.
+Selective recomputation (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models") keeps the outputs of the
+expensive ops and recomputes only the cheap, large ones (softmax, dropout,
+activations). A policy is a small frozen value that, for each op output in a
+region, answers one of three `Action` s. In the spirit of JAX's
+``jax.checkpoint_policies`` the factories read like sentences::
+
+    forget.checkpoint(block, x, policy=policies.save_outputs_of(*policies.MATMUL))
+
+The engine asks a policy once per op of the forward whose outputs are new
+memory (views and in-place results follow their base), with the op's name
+(``"aten.mm"``) and the bytes of its outputs. An output a policy saves is
+kept (memory) and the op is *not* re-run in backward: its kept output is
+replayed; ``offload`` keeps it in host memory instead of on the device.
+Ops that draw random numbers (dropout) are always recomputed, so the
+replayed random stream stays exact.
+
+This module imports no torch: policies are plain values, usable by the
+planner (`forget.plan`) as per-stage options.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ATTENTION",
+    "CONV",
+    "MATMUL",
+    "Action",
+    "Policy",
+    "as_policy",
+    "either",
+    "offload_everything",
+    "offload_outputs_of",
+    "save_all_but",
+    "save_everything",
+    "save_larger_than",
+    "save_nothing",
+    "save_outputs_of",
+    "save_smaller_than",
+]
+
+
+class Action(enum.Enum):
+    """What to do with one op output of a region."""
+
+    SAVE = "save"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+
+# Names of aten ops (the level the engine sees), grouped as users think of them.
+MATMUL: tuple[str, ...] = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten._addmm_activation",
+)
+CONV: tuple[str, ...] = ("aten.convolution", "aten._convolution", "aten.mkldnn_convolution")
+ATTENTION: tuple[str, ...] = (
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_fused_attention_overrideable",
+)
+
+
+def _normalize(name: str) -> str:
+    """``"mm"`` / ``"aten::mm"`` / ``"aten.mm.default"`` -> ``"aten.mm"``."""
+    name = name.replace("::", ".")
+    if not name.startswith("aten."):
+        name = "aten." + name
+    parts = name.split(".")
+    return ".".join(parts[:2])
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A rule from (op name, output bytes) to an `Action`.
+
+    Build one with the factories of this module; combine with `either` or ``|``.
+
+    Attributes:
+        description: how the policy reads, shown in reports.
+    """
+
+    rule: Callable[[str, int], Action] = field(repr=False, compare=False)
+    description: str
+
+    def decide(self, op: str, nbytes: int) -> Action:
+        """Return the action for one op output of ``nbytes`` bytes made by ``op``."""
+        return self.rule(_normalize(op), nbytes)
+
+    def __or__(self, other: Policy | bool) -> Policy:
+        return either(self, as_policy(other))
+
+    def __str__(self) -> str:
+        return self.description
+
+    @property
+    def saves_nothing(self) -> bool:
+        """True for the plain forget policy (nothing kept, nothing offloaded)."""
+        return self.description == save_nothing.description
+
+
+def _const(action: Action, description: str) -> Policy:
+    return Policy(lambda op, nbytes: action, description)
+
+
+save_nothing: Policy = _const(Action.RECOMPUTE, "save nothing")
+"""Recompute everything: plain forget."""
+
+save_everything: Policy = _const(Action.SAVE, "save everything")
+"""Keep every output: no recomputation, plain autograd's memory."""
+
+offload_everything: Policy = _const(Action.OFFLOAD, "offload everything")
+"""Keep every output in host memory."""
+
+
+def _op_set(ops: Iterable[str]) -> frozenset[str]:
+    names = frozenset(_normalize(o) for o in ops)
+    if not names:
+        raise ValueError("forget: name at least one op, e.g. save_outputs_of(*policies.MATMUL).")
+    return names
+
+
+def save_outputs_of(*ops: str) -> Policy:
+    """Save the outputs of the named ops (``"mm"``, ``"aten.addmm"``); recompute the rest."""
+    names = _op_set(ops)
+    return Policy(
+        lambda op, nbytes: Action.SAVE if op in names else Action.RECOMPUTE,
+        f"save outputs of {', '.join(sorted(names))}",
+    )
+
+
+def save_all_but(*ops: str) -> Policy:
+    """Save every output except those of the named ops, which are recomputed."""
+    names = _op_set(ops)
+    return Policy(
+        lambda op, nbytes: Action.RECOMPUTE if op in names else Action.SAVE,
+        f"save all but {', '.join(sorted(names))}",
+    )
+
+
+def offload_outputs_of(*ops: str) -> Policy:
+    """Offload the outputs of the named ops to host memory; recompute the rest."""
+    names = _op_set(ops)
+    return Policy(
+        lambda op, nbytes: Action.OFFLOAD if op in names else Action.RECOMPUTE,
+        f"offload outputs of {', '.join(sorted(names))}",
+    )
+
+
+def _check_bytes(nbytes: int) -> int:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"forget: a byte threshold must be an int >= 0, got {nbytes!r}.")
+    return nbytes
+
+
+def save_larger_than(nbytes: int) -> Policy:
+    """Save outputs of more than ``nbytes`` bytes; recompute the small ones."""
+    limit = _check_bytes(nbytes)
+    return Policy(
+        lambda op, n: Action.SAVE if n > limit else Action.RECOMPUTE,
+        f"save outputs larger than {limit} bytes",
+    )
+
+
+def save_smaller_than(nbytes: int) -> Policy:
+    """Save outputs of fewer than ``nbytes`` bytes; recompute the large ones."""
+    limit = _check_bytes(nbytes)
+    return Policy(
+        lambda op, n: Action.SAVE if n < limit else Action.RECOMPUTE,
+        f"save outputs smaller than {limit} bytes",
+    )
+
+
+_RANK = {Action.RECOMPUTE: 0, Action.OFFLOAD: 1, Action.SAVE: 2}
+
+
+def either(first: Policy, second: Policy) -> Policy:
+    """Keep what either policy keeps: save beats offload beats recompute."""
+
+    def rule(op: str, nbytes: int) -> Action:
+        a, b = first.rule(op, nbytes), second.rule(op, nbytes)
+        return a if _RANK[a] >= _RANK[b] else b
+
+    return Policy(rule, f"({first.description}) or ({second.description})")
+
+
+def as_policy(value: Policy | bool | None) -> Policy:
+    """Normalize a policy argument: ``None``/``False`` save nothing, ``True`` saves everything."""
+    if value is None or value is False:
+        return save_nothing
+    if value is True:
+        return save_everything
+    if isinstance(value, Policy):
+        return value
+    raise TypeError(
+        f"forget: a policy is a forget.policies.Policy or a bool, got {type(value).__name__}; "
+        "build one with e.g. forget.policies.save_outputs_of('mm')."
+    )
