@@ -305,7 +305,7 @@ def _check(runner: _Runner, bar: _Progress, problems: list[str]) -> None:
 
 
 def _fmt_bytes(n: int) -> str:
-    return f"{n / _MIB:.2f}"
+    return f"{n / _MIB:.3f}"
 
 
 def _ratio(a: float, b: float) -> str:

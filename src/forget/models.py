@@ -360,12 +360,12 @@ def _seeded(seed: int, build: Callable[[], _M]) -> _M:
 
 def residual_mlp(
     *,
-    width: int = 256,
-    depth: int = 8,
+    width: int = 128,
+    depth: int = 12,
     hidden: int | None = None,
     in_features: int = 128,
     num_classes: int = 10,
-    batch_size: int = 256,
+    batch_size: int = 1024,
     seed: int = 0,
 ) -> ResidualMLP:
     """Build a :class:`ResidualMLP`; ``hidden`` defaults to ``4 * width``."""
@@ -444,7 +444,7 @@ _FACTORIES: dict[str, Callable[..., BlockModel]] = {
 _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "residual_mlp": {
         "tiny": {"width": 16, "depth": 3, "in_features": 8, "batch_size": 4},
-        "quick": {"width": 128, "depth": 6, "in_features": 64, "batch_size": 64},
+        "quick": {"width": 64, "depth": 8, "in_features": 64, "batch_size": 512},
         "default": {},
     },
     "small_cnn": {

@@ -1,0 +1,142 @@
+"""``forget bench``: JSON schema, plot, errors, and the built-in correctness check.
+
+Smoke tests at tiny sizes; no test asserts a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from forget import _bench, cli
+from forget.models import MODEL_NAMES
+
+VARIANTS = ["plain", "torch_checkpoint", "forget"]
+TINY = ["--size", "tiny", "--repeats", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "out.json"
+    status = _bench.main([*TINY, "--json", str(path)])
+    return status, json.loads(path.read_text())
+
+
+def test_json_schema_is_exact(tiny_run):
+    status, data = tiny_run
+    assert status == 0
+    assert set(data) == {"models", "meta"}
+    assert list(data["models"]) == list(MODEL_NAMES)
+    for name, per in data["models"].items():
+        assert list(per) == VARIANTS, name
+        for variant, row in per.items():
+            assert set(row) == {"peak_bytes", "saved_bytes", "step_s"}, (name, variant)
+            assert type(row["peak_bytes"]) is int
+            assert type(row["saved_bytes"]) is int
+            assert type(row["step_s"]) is float
+            assert row["peak_bytes"] >= row["saved_bytes"] >= 0
+            assert row["step_s"] > 0
+
+
+def test_checkpointed_variants_peak_no_higher_than_plain(tiny_run):
+    _, data = tiny_run
+    for name, per in data["models"].items():
+        plain = per["plain"]
+        assert plain["saved_bytes"] > 0, name
+        for variant in ("torch_checkpoint", "forget"):
+            assert per[variant]["peak_bytes"] <= plain["peak_bytes"], (name, variant)
+            assert per[variant]["saved_bytes"] < plain["saved_bytes"], (name, variant)
+
+
+def test_meta_records_the_run_and_buffer_check(tiny_run):
+    _, data = tiny_run
+    meta = data["meta"]
+    assert meta["size"] == "tiny"
+    assert meta["repeats"] == 1
+    assert isinstance(meta["threads"], int)
+    buffers = meta["buffers_match_plain"]
+    assert all(buffers[name]["forget"] for name in MODEL_NAMES)
+    # torch.utils.checkpoint updates BatchNorm statistics twice per step.
+    assert buffers["small_cnn"]["torch_checkpoint"] is False
+
+
+def test_quick_run_of_one_model_prints_a_table(tmp_path, capsys):
+    path = tmp_path / "quick.json"
+    status = _bench.main(["--quick", "--models", "mlp", "--repeats", "1", "--json", str(path)])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "quick sizes" in out
+    header = out.splitlines()[1].split()
+    assert header[:4] == ["model", "variant", "peak", "MiB"]
+    for variant in VARIANTS:
+        assert variant in out
+    assert list(json.loads(path.read_text())["models"]) == ["residual_mlp"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    assert _bench.main([*TINY, "--models", "residual_mlp,small_cnn", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_exits_2_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    monkeypatch.setattr(_bench, "run", None)  # must not be reached
+    assert _bench.main([*TINY, "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "forget: --plot needs matplotlib; install it with pip install 'torch-forget[plot]'"
+    )
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert _bench.main([*TINY, "--models", "residual_mlp,resnet"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'resnet'" in err
+    assert "residual_mlp, small_cnn, tiny_gpt" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--quick", "--size", "default"], "--quick contradicts --size default"),
+    ],
+    ids=["repeats", "quick-vs-size"],
+)
+def test_bad_flags_exit_2(argv, message, capsys):
+    assert _bench.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys):
+    assert _bench.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--quick", "--json", "--plot", "--repeats", "--quiet", "--models"):
+        assert flag in out
+
+
+def test_mismatch_is_reported_loudly(monkeypatch, capsys):
+    def wrong(block, h):
+        return block(h) * 2.0
+
+    monkeypatch.setitem(_bench.WRAPPERS, "forget", wrong)
+    assert _bench.main([*TINY, "--models", "residual_mlp"]) == 1
+    err = capsys.readouterr().err
+    assert "MISMATCH" in err
+    assert "residual_mlp: forget loss" in err
+
+
+def test_runs_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert _bench.main(["--size", "tiny", "--repeats", "1", "--models", "gpt"]) == 0
+    assert "tiny_gpt" in capsys.readouterr().out
+
+
+def test_cli_routes_bench(capsys):
+    assert cli.main(["bench", *TINY, "--models", "cnn"]) == 0
+    assert "small_cnn" in capsys.readouterr().out
