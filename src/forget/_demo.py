@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"forget vs plain, {what + ':':<19} {'identical' if ok else 'DIFFERENT'}")
     torch_bn = _identical(buffers(nets["plain"]), buffers(nets["torch_checkpoint"]))
     first_bn = next(m for m in nets["torch_checkpoint"].modules() if isinstance(m, nn.BatchNorm1d))
-    counted = int(first_bn.num_batches_tracked)
+    counted = int(first_bn.state_dict()["num_batches_tracked"])
     print(
         f"torch_checkpoint vs plain, BatchNorm buffers: {'identical' if torch_bn else 'DIFFERENT'}"
         f" (num_batches_tracked {counted} after {args.steps} steps: BatchNorm ran twice a step)"
