@@ -17,8 +17,15 @@ from ._errors import ForgetError as ForgetError
 from ._errors import RecomputationMismatchError as RecomputationMismatchError
 
 if TYPE_CHECKING:
+    from . import models as models
+    from . import plan as plan
+    from . import policies as policies
     from ._checkpoint import checkpoint as checkpoint
     from ._core import forget as forget
+    from ._measure import MemoryReport as MemoryReport
+    from ._measure import SavedReport as SavedReport
+    from ._measure import measure as measure
+    from ._measure import saved as saved
     from ._state import in_recomputing as in_recomputing
     from .nn import Forget as Forget
     from .nn import ForgetSequential as ForgetSequential
@@ -34,23 +41,39 @@ _LAZY: dict[str, str] = {
     "Forget": ".nn",
     "ForgetSequential": ".nn",
     "forget_sequential": ".nn",
+    "measure": "._measure",
+    "saved": "._measure",
+    "MemoryReport": "._measure",
+    "SavedReport": "._measure",
 }
+
+# Public submodules, imported on first access; ``plan`` and ``policies`` import no torch.
+_SUBMODULES = ("models", "plan", "policies")
 
 __all__ = [
     "BudgetInfeasibleError",
     "Forget",
     "ForgetError",
     "ForgetSequential",
+    "MemoryReport",
     "RecomputationMismatchError",
+    "SavedReport",
     "__version__",
     "checkpoint",
     "forget",
     "forget_sequential",
     "in_recomputing",
+    "measure",
+    "models",
+    "plan",
+    "policies",
+    "saved",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module("." + name, __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'forget' has no attribute {name!r}")
@@ -60,4 +83,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

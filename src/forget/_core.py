@@ -273,7 +273,9 @@ class Region:
         count = 0
         # NOTE [policy replay]: kept op outputs stand in for their ops, except under
         # create_graph, where the ops run again so their outputs carry history.
-        tracker = StateTracker(replay=None if keep_graph else _fetch_kept(self._kept_ops))
+        tracker = StateTracker(
+            replay=None if keep_graph else _fetch_kept(self._kept_ops), recomputing=True
+        )
 
         def collect(t: torch.Tensor) -> torch.Tensor:
             nonlocal count

@@ -49,6 +49,35 @@ _UNMARKED_WRITES: dict[str, tuple[tuple[int, str], ...]] = {
 _SEEDED: dict[Any, bool] = {}
 
 
+# NOTE [write-only statistics]: in training mode these ops compute their output
+# from the batch alone; the running statistics (arguments 3 and 4) are only
+# updated. So the re-run needs no pre-forward copy of them, and in the re-run we
+# call the op without them: same outputs, bit for bit, and no write to undo.
+_STATS_OPS = frozenset(
+    {"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm", "_native_batch_norm_legit"}
+)
+_TRAINING_ARG = 5
+
+
+def _stats_update(op: Any, args: tuple[Any, ...]) -> bool:
+    name = op._schema.name
+    return (
+        name.startswith("aten::")
+        and name[len("aten::") :] in _STATS_OPS
+        and len(args) > _TRAINING_ARG
+        and args[_TRAINING_ARG] is True
+        and isinstance(args[3], torch.Tensor)
+    )
+
+
+def _without_stats(op: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The same batch-norm call with its running statistics left out."""
+    if op._schema.name == "aten::_native_batch_norm_legit":
+        no_stats = torch.ops.aten._native_batch_norm_legit.no_stats
+        return no_stats, (args[0], args[1], args[2], *args[_TRAINING_ARG:])
+    return op, (*args[:3], None, None, *args[_TRAINING_ARG:])
+
+
 def _written_args(op: Any) -> tuple[tuple[int, str], ...]:
     """Positions and names of the arguments an op writes into (cached per op)."""
     cached = _WRITES.get(op)
@@ -150,8 +179,10 @@ class StateTracker(TorchDispatchMode):
         self,
         decide: Decide | None = None,
         replay: dict[int, tuple[str, Any, Any]] | None = None,
+        recomputing: bool = False,
     ) -> None:
         super().__init__()
+        self._recomputing = recomputing
         self._decide = decide
         self._replay = replay
         self.kept: dict[int, tuple[str, Any, Any]] = {}
@@ -189,6 +220,11 @@ class StateTracker(TorchDispatchMode):
         if not self.used_rng and _is_seeded(func):
             self.used_rng = True
         written = _written_args(func)
+        if written and _stats_update(func, args):
+            # NOTE [write-only statistics]
+            if self._recomputing:
+                func, args = _without_stats(func, args)
+            written = tuple((i, name) for i, name in written if i not in (3, 4))
         if written:
             for i, name in written:
                 value = args[i] if i < len(args) else kwargs.get(name)
