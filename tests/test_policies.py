@@ -1,0 +1,254 @@
+"""Per-op policies: exact gradients, saved ops not re-run, bytes kept exactly as chosen."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import forget
+from forget import _offload
+from forget import policies as P
+
+
+class OpLog(TorchDispatchMode):
+    """Count aten ops by name (``aten.addmm``) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(".".join(str(func).split(".")[:2]))
+        return func(*args, **(kwargs or {}))
+
+
+def _block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.25), nn.Linear(64, 16), nn.LayerNorm(16)
+    )
+
+
+def _attention(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+    q, k, v = proj(x).chunk(3, dim=-1)
+    att = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+    return att.softmax(-1).sum(-1)
+
+
+POLICIES = {
+    "none": None,
+    "false": False,
+    "true": True,
+    "save_nothing": P.save_nothing,
+    "save_everything": P.save_everything,
+    "matmuls": P.save_outputs_of(*P.MATMUL),
+    "all_but_gelu": P.save_all_but("gelu"),
+    "larger_than_2k": P.save_larger_than(2048),
+    "smaller_than_2k": P.save_smaller_than(2048),
+    "either": P.save_outputs_of("addmm") | P.save_outputs_of("gelu"),
+}
+
+
+def _run(block, x, policy, *, seed=3):
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.manual_seed(seed)
+    y = block(x) if policy == "plain" else forget.checkpoint(block, x, policy=policy)
+    log = OpLog()
+    with log:
+        y.square().sum().backward()
+    return y.detach(), [x.grad, *[p.grad for p in block.parameters()]], log.names
+
+
+@pytest.mark.parametrize("name", list(POLICIES), ids=list(POLICIES))
+def test_every_policy_gives_the_plain_gradients_bitwise(name):
+    block = _block()
+    x = torch.randn(8, 16, requires_grad=True)
+    y0, g0, _ = _run(block, x, "plain")
+    y1, g1, _ = _run(block, x, POLICIES[name])
+    assert torch.equal(y0, y1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+def test_saved_matmuls_are_not_rerun_in_backward():
+    block = _block()
+    x = torch.randn(8, 16, requires_grad=True)
+    _, _, plain_ops = _run(block, x, "plain")
+    _, _, forget_ops = _run(block, x, None)
+    _, _, selective_ops = _run(block, x, P.save_outputs_of(*P.MATMUL))
+    # Plain backward runs addmm/mm for grads only; plain forget re-runs the forward's 2.
+    assert forget_ops.count("aten.addmm") == plain_ops.count("aten.addmm") + 2
+    assert selective_ops.count("aten.addmm") == plain_ops.count("aten.addmm")
+    # The cheap ops are still recomputed.
+    assert selective_ops.count("aten.gelu") == plain_ops.count("aten.gelu") + 1
+
+
+def test_save_everything_does_not_rerun_anything():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16))
+    x = torch.randn(8, 16, requires_grad=True)
+    _, _, plain_ops = _run(block, x, "plain")
+    _, _, ops = _run(block, x, P.save_everything)
+    # Backward is plain autograd's backward, op for op; unpacking a saved tensor
+    # through hooks adds an alias (aten.detach), no compute.
+    assert [o for o in ops if o != "aten.detach"] == [o for o in plain_ops if o != "aten.detach"]
+
+
+def test_random_ops_are_never_kept_by_a_policy():
+    x = torch.randn(64, requires_grad=True)
+
+    def f(a):
+        return nn.functional.dropout(a.exp(), 0.5, training=True).sin()
+
+    torch.manual_seed(0)
+    f(x).sum().backward()
+    g0 = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(0)
+    y = forget.checkpoint(f, x, policy=P.save_outputs_of("exp", "bernoulli"))
+    log = OpLog()
+    with log:
+        y.sum().backward()
+    assert torch.equal(g0, x.grad)
+    assert "aten.bernoulli_" in log.names  # the mask is drawn again, from the replayed RNG
+    assert "aten.exp" not in log.names  # the kept exp output is replayed, not recomputed
+
+
+def test_ledger_shows_exactly_the_saved_matmul_outputs():
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(32, 256), nn.Linear(256, 32)
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def f(a):
+        return lin2(torch.tanh(lin1(a))).sum()
+
+    def forward_only(policy):
+        return forget.measure(lambda: forget.checkpoint(f, x, policy=policy)).end_bytes
+
+    nothing = forward_only(None)
+    selective = forward_only(P.save_outputs_of("addmm"))
+    # The two addmm outputs: 64x256 and 64x32 float32, kept; the rest is not.
+    assert selective - nothing == (64 * 256 + 64 * 32) * 4
+
+
+def test_attention_output_saved_by_policy_matches_plain():
+    torch.manual_seed(0)
+    proj = nn.Linear(8, 24)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    torch.manual_seed(1)
+    _attention(x, proj).sum().backward()
+    g0 = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(1)
+    policy = P.save_outputs_of(*P.MATMUL, *P.ATTENTION)
+    forget.checkpoint(_attention, x, proj, policy=policy).sum().backward()
+    assert torch.equal(g0, x.grad)
+
+
+def test_batchnorm_state_with_a_policy():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    ours = forget.Forget(copy.deepcopy(plain), policy=P.save_outputs_of("addmm"))
+    x = torch.randn(6, 4)
+    for _ in range(2):
+        plain(x).square().sum().backward()
+        ours(x).square().sum().backward()
+    for a, b in zip(plain.state_dict().values(), ours.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_kept_output_written_in_place_later_is_replayed_as_produced():
+    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(3, 6, requires_grad=True)
+
+    def f(a):
+        h = a @ w  # kept by the policy ...
+        h.relu_()  # ... then written in place: the replay must give the pre-write value
+        return (h * h).sum()
+
+    f(x).backward()
+    g0 = x.grad.clone()
+    x.grad = None
+    forget.checkpoint(f, x, policy=P.save_outputs_of("mm")).backward()
+    assert torch.equal(g0, x.grad)
+
+
+def test_double_backward_through_kept_outputs():
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def f(a):
+        return ((a @ w).sin() * a).sum()
+
+    (g0,) = torch.autograd.grad(f(x), x, create_graph=True)
+    (gg0,) = torch.autograd.grad(g0.sum(), x)
+    y = forget.checkpoint(f, x, policy=P.save_outputs_of("mm"))
+    (g1,) = torch.autograd.grad(y, x, create_graph=True)
+    (gg1,) = torch.autograd.grad(g1.sum(), x)
+    assert torch.equal(g0, g1) and torch.equal(gg0, gg1)
+
+
+def test_policy_values_compose_and_normalize():
+    assert P.as_policy(None) is P.save_nothing
+    assert P.as_policy(False) is P.save_nothing
+    assert P.as_policy(True) is P.save_everything
+    assert P.save_outputs_of("mm").decide("aten.mm.default", 10) is P.Action.SAVE
+    assert P.save_outputs_of("mm").decide("aten.add.Tensor", 10) is P.Action.RECOMPUTE
+    both = P.save_outputs_of("mm") | P.offload_outputs_of("add")
+    assert both.decide("aten.add.Tensor", 1) is P.Action.OFFLOAD
+    assert (P.offload_outputs_of("mm") | P.save_outputs_of("mm")).decide("mm", 1) is P.Action.SAVE
+    assert (P.save_nothing | True).decide("anything", 1) is P.Action.SAVE
+    assert P.save_larger_than(10).decide("x", 11) is P.Action.SAVE
+    assert P.save_larger_than(10).decide("x", 10) is P.Action.RECOMPUTE
+    assert P.save_smaller_than(10).decide("x", 9) is P.Action.SAVE
+    assert str(P.save_outputs_of("aten::mm")) == "save outputs of aten.mm"
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda: P.as_policy("mm"), TypeError),
+        (lambda: P.save_outputs_of(), ValueError),
+        (lambda: P.save_larger_than(-1), ValueError),
+        (lambda: P.save_smaller_than(True), ValueError),
+    ],
+    ids=["string", "no_ops", "negative", "bool_bytes"],
+)
+def test_bad_policy_arguments(call, error):
+    with pytest.raises(error, match="forget:"):
+        call()
+
+
+def test_offload_on_cpu_is_a_noop_that_says_so_once_and_stays_exact(monkeypatch):
+    monkeypatch.setattr(_offload, "_warned_cpu", False)
+    block = _block()
+    x = torch.randn(8, 16, requires_grad=True)
+    y0, g0, _ = _run(block, x, "plain")
+    with pytest.warns(UserWarning, match="offload of CPU tensors is a no-op"):
+        y1, g1, _ = _run(block, x, P.offload_outputs_of(*P.MATMUL))
+    assert torch.equal(y0, y1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+    _run(block, x, P.offload_outputs_of(*P.MATMUL))  # no second warning (warnings are errors)
+
+
+def test_policies_module_imports_no_torch():
+    code = "import forget.policies, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_round_trip_on_cuda_is_exact():
+    torch.manual_seed(0)
+    block = _block().cuda()
+    x = torch.randn(8, 16, device="cuda", requires_grad=True)
+    y0, g0, _ = _run(block, x, "plain")
+    y1, g1, _ = _run(block, x, P.offload_outputs_of(*P.MATMUL))
+    assert torch.equal(y0, y1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
