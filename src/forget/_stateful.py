@@ -194,6 +194,12 @@ class StateTracker(TorchDispatchMode):
         self._started = 0
         self._stop_at: int | None = None
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disabling decorator, a few
+        # microseconds on every op of every region; ours never compiles anything.
+        return False
+
     def created(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s memory was made by an op this tracker saw."""
         return _storage_key(t) in self._created
