@@ -277,22 +277,32 @@ class Region:
             replay=None if keep_graph else _fetch_kept(self._kept_ops), recomputing=True
         )
 
+        # The re-run's graph holds this hook (in C++, out of the garbage collector's
+        # sight) and, under create_graph, the region holds that graph through the
+        # rebuilt tensors; so the hook reaches the region only through a weak reference.
+        region_ref = weakref.ref(self)
+        meta, check, name = self._meta, self.check, _name(self.func)
+
         def collect(t: torch.Tensor) -> torch.Tensor:
             nonlocal count
             index = count
             count += 1
-            if index >= len(self._meta):
+            region = region_ref()
+            if region is None or not needed:
+                with hidden():
+                    return t.detach()
+            if index >= len(meta):
                 raise RecomputationMismatchError(
-                    f"forget: the recomputation of {_name(self.func)} saved more tensors for "
-                    f"backward than its forward ({len(self._meta)}); the function must run the "
+                    f"forget: the recomputation of {name} saved more tensors for "
+                    f"backward than its forward ({len(meta)}); the function must run the "
                     "same ops both times (is it branching on global state or on "
                     "in_recomputing()?)."
                 )
-            if self.check and _meta(t) != self._meta[index]:
-                shape, dtype, device = self._meta[index]
+            if check and _meta(t) != meta[index]:
+                shape, dtype, device = meta[index]
                 raise RecomputationMismatchError(
                     f"forget: the {ordinal(index + 1)} tensor saved by the recomputation of "
-                    f"{_name(self.func)} differs from the forward's: forward saved "
+                    f"{name} differs from the forward's: forward saved "
                     f"shape={list(shape)} dtype={dtype} device={device}, recomputation saved "
                     f"shape={list(t.shape)} dtype={t.dtype} device={t.device}; the function "
                     "must compute the same thing both times."
@@ -302,7 +312,7 @@ class Region:
                 # must save for backward as its forward did.
                 with hidden():
                     kept = t if keep_graph else t.detach().requires_grad_(t.requires_grad)
-                self._rebuilt[index] = kept
+                region._rebuilt[index] = kept
                 needed.discard(index)
                 if not needed:
                     # NOTE [early stop]: not here. An op's autograd layer saves its inputs
