@@ -18,12 +18,32 @@ rematerialized region keeps, the forward's outputs (the loss), and the seed
 gradient ``backward()`` makes before the engine starts (``ones_like(loss)``, 4
 bytes for a float32 scalar). `saved` lists those tensors one by one.
 
-NOTE [what the ledger cannot see]: memory a kernel allocates for itself (a
-workspace, a scalar wrapped into a tensor for ``x * 2``) is not an op output, so
-the ledger misses it; the allocator probe (``probe="profiler"``) sees it, which is
-why the two may differ by such transients (tests bound the difference). A
-``resize_`` of a storage the call made is followed (the storage counts at its new
-size; the brief moment when old and new buffers coexist is not); an external
+NOTE [the two probes]: ``probe="profiler"`` reads the allocator's own record
+(``torch.profiler.profile(profile_memory=True)``: one event per allocation and
+free, with its size; the peak is the maximum of their running sum). On torch
+2.13 CPU it agrees with the ledger to the byte on ``saved_bytes`` and
+``end_bytes`` of an MLP, a conv+BatchNorm net and an attention block, and on the
+MLP's peak. Peaks differ where one probe sees what the other cannot:
+
+* Memory a kernel allocates for itself is no op output, so the ledger misses
+  it: oneDNN/conv workspaces and weight reorders, BatchNorm's per-thread
+  buffers, the 8- and 4-byte tensors a Python scalar becomes in ``x * 2``. On
+  the conv+BatchNorm test net the profiler's peak is 24,576 bytes (13%) higher.
+* Any dispatch mode changes one thing in the program it watches:
+  ``at::isTensorSubclassLike`` is true while a mode is active, so autograd sums
+  the gradients of a tensor used by several ops out of place instead of into
+  the first one (and ``AccumulateGrad`` adds into an existing ``.grad`` out of
+  place). That costs extra transient buffers: the ledger's peak of the
+  attention test block is 600 bytes (1.2%) higher than the plain run's. forget
+  itself runs a dispatch mode in its regions, so this is no worse there.
+* The profiler also counts frees of memory made before the call (a
+  ``zero_grad(set_to_none=True)`` inside it), as negative bytes; the ledger
+  ignores memory it did not see made.
+* The CUDA caching allocator (``probe="cuda"`` and the profiler on CUDA)
+  rounds each block up to a multiple of 512 bytes; the ledger counts ``nbytes``.
+
+A ``resize_`` of a storage the call made is followed (the storage counts at its
+new size; the brief moment when old and new buffers coexist is not); an external
 storage grown in place counts by its growth. Sparse tensors and tensor
 subclasses without a plain storage are skipped (their dense parts, when made by
 ops, are counted).
@@ -174,7 +194,17 @@ class _Entry:
 class _Record:
     """A storage the ledger has seen: its counted bytes and how to forget it."""
 
-    __slots__ = ("base", "counted", "device", "dtype", "entries", "finalizer", "op", "shape")
+    __slots__ = (
+        "base",
+        "counted",
+        "device",
+        "dtype",
+        "entries",
+        "finalizer",
+        "op",
+        "shape",
+        "where",
+    )
 
     def __init__(
         self,
@@ -192,6 +222,7 @@ class _Record:
         self.entries = entries
         self.shape = shape  # of the first tensor seen on it
         self.dtype = dtype
+        self.where = device  # the full device ("cuda:0"), set for storages made in the call
         self.finalizer: weakref.finalize[..., Any] | None = None
 
 
@@ -250,6 +281,7 @@ class _Ledger(TorchDispatchMode):
         if rec is None:
             shape, dtype = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ((), None)
             rec = _Record(0, s.device.type, op, tuple(self._entries), shape, dtype or torch.uint8)
+            rec.where = str(s.device)
             self._records[key] = rec
             rec.finalizer = self._finalize(s, key)
         counted = max(0, s.nbytes() - rec.base)
@@ -439,7 +471,7 @@ def _nonzero(d: Mapping[str, int]) -> dict[str, int]:
 
 
 def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryReport:
-    """Measure with the allocator's own record (NOTE [the allocator probe])."""
+    """Measure with the allocator's own record (NOTE [the two probes])."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -560,12 +592,14 @@ class _Measure:
     Probes:
         ``"ledger"`` (default): the dispatch-mode ledger (NOTE [the ledger]); exact
         and repeatable to the byte; composes with other dispatch modes (forget's
-        own). Never give it a ``torch.compile``d function: under a dispatch mode
-        torch runs the compiled function eagerly, for good (checked on torch 2.13);
-        a compiled callable raises `ValueError`.
+        own); sees tensors, not kernel workspaces, and makes autograd sum
+        gradients out of place (NOTE [the two probes]). Never give it a
+        ``torch.compile``d function: under a dispatch mode torch 2.13 runs the
+        compiled function eagerly, and keeps doing so after; a compiled callable
+        raises `ValueError` (one compiled deep inside ``fn`` cannot be detected).
         ``"profiler"``: the allocator's record from
-        ``torch.profiler.profile(profile_memory=True)`` (NOTE [the allocator
-        probe]); also sees kernel-internal allocations; the probe for compiled
+        ``torch.profiler.profile(profile_memory=True)`` (NOTE [the two probes]);
+        also sees kernel-internal allocations; the probe for compiled
         functions; no regions.
         ``"cuda"``: ``torch.cuda.max_memory_allocated`` minus the memory allocated
         before the call; counts the caching allocator's rounded blocks; no
@@ -834,7 +868,7 @@ def saved(func: Callable[..., Any], /, *xs: Any, **kwargs: Any) -> SavedReport:
             if rec.op and rec.counted and key not in rows and key not in outputs:
                 result.append(
                     SavedTensor(
-                        rec.op, "kept", rec.shape, rec.dtype, rec.device, rec.counted, 0, False
+                        rec.op, "kept", rec.shape, rec.dtype, rec.where, rec.counted, 0, False
                     )
                 )
         del out  # the graph, and what it saved, goes now
