@@ -333,7 +333,7 @@ class _Ledger(TorchDispatchMode):
     def close(self) -> None:
         """Stop watching frees (the call is over); keep the figures."""
         with self._lock:
-            for rec in self._records.values():
+            for rec in list(self._records.values()):
                 if rec.finalizer is not None:
                     rec.finalizer.detach()
             self._records.clear()
