@@ -34,13 +34,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import forget
+from forget import ForgetError
 
 from .models import MODEL_NAMES, SIZES, BlockModel, BlockWrapper, build_model
 
@@ -48,13 +49,6 @@ VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")
 ALIASES: dict[str, str] = {"mlp": "residual_mlp", "cnn": "small_cnn", "gpt": "tiny_gpt"}
 PLOT_HINT = "forget: --plot needs matplotlib; install it with pip install 'torch-forget[plot]'"
 _MIB = 1024 * 1024
-
-
-class _Report(Protocol):
-    @property
-    def peak_bytes(self) -> int: ...
-    @property
-    def saved_bytes(self) -> int: ...
 
 
 def _torch_checkpoint(block: nn.Module, h: Tensor) -> Tensor:
@@ -91,39 +85,17 @@ class VariantResult:
 
 
 @dataclass(frozen=True)
-class _SavedOnly:
+class _Measured:
     peak_bytes: int
     saved_bytes: int
 
 
-def _saved_only_measure(fn: Callable[[], Any]) -> _Report:
-    # TEMPORARY stand-in until forget.measure lands: counts the storages
-    # autograd saves outside checkpointed regions (parameters excluded), and
-    # reports that figure as both saved and peak bytes. Not exact.
-    seen: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        if not isinstance(t, nn.Parameter):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    total = sum(seen.values())
-    return _SavedOnly(peak_bytes=total, saved_bytes=total)
-
-
-def _have_measure() -> bool:
-    return getattr(forget, "measure", None) is not None
-
-
-def _measure(fn: Callable[[], Any]) -> _Report:
-    measure = getattr(forget, "measure", None)
-    if measure is None:
-        return _saved_only_measure(fn)
-    report: _Report = measure(fn)
-    return report
+def _measure(fn: Callable[[], Any]) -> _Measured:
+    report = forget.measure(fn)
+    # saved_bytes is None only under the "cuda" probe; the bench uses the ledger.
+    if report.saved_bytes is None:
+        raise ForgetError("forget: bench needs the ledger probe, which reports saved_bytes.")
+    return _Measured(report.peak_bytes, report.saved_bytes)
 
 
 def _train_step(model: BlockModel, wrap: BlockWrapper | None, x: Tensor, target: Tensor) -> Tensor:
@@ -150,7 +122,7 @@ class _Runner:
         torch.manual_seed(self.seed)
         return _train_step(self.models[variant], WRAPPERS[variant], self.x, self.target)
 
-    def measure(self, variant: str) -> _Report:
+    def measure(self, variant: str) -> _Measured:
         return _measure(lambda: self.step(variant))
 
     def grads(self, variant: str) -> dict[str, Tensor | None]:
@@ -277,7 +249,6 @@ def run(
         "size": size,
         "repeats": repeats,
         "seed": seed,
-        "ledger": "forget.measure" if _have_measure() else "saved-tensor stand-in (not exact)",
         "buffers_match_plain": buffers_match,
     }
     return BenchResult(results, buffers_match, problems, meta)
@@ -468,8 +439,8 @@ def main(argv: Sequence[str]) -> int:
     print(format_table(result))
     if not args.quiet:
         print(
-            f"bytes: tensor storages ({result.meta['ledger']}); ratios < 1 are better; "
-            "buffers: module buffers after the run vs plain."
+            "bytes: exact tensor storages allocated by the step (forget.measure); "
+            "ratios < 1 are better; buffers: module buffers after the run vs plain."
         )
     if args.json is not None:
         args.json.write_text(json.dumps(result.as_json(), indent=2) + "\n")

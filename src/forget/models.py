@@ -449,7 +449,7 @@ _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "small_cnn": {
         "tiny": {"channels": 4, "depth": 3, "image_size": 8, "batch_size": 4},
-        "quick": {"channels": 16, "depth": 4, "image_size": 16, "batch_size": 16},
+        "quick": {"channels": 16, "depth": 4, "image_size": 32, "batch_size": 16},
         "default": {},
     },
     "tiny_gpt": {
