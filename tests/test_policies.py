@@ -89,6 +89,21 @@ def test_saved_matmuls_are_not_rerun_in_backward():
     assert selective_ops.count("aten.gelu") == plain_ops.count("aten.gelu") + 1
 
 
+def test_forget_module_applies_its_policy():
+    block = _block()
+    x = torch.randn(8, 16, requires_grad=True)
+    wrapped = forget.Forget(block, policy=P.save_outputs_of(*P.MATMUL))
+    block.zero_grad(set_to_none=True)
+    y = wrapped(x)
+    log = OpLog()
+    with log:
+        y.square().sum().backward()
+    _, _, plain_ops = _run(block, x, "plain")
+    # The wrapper keeps the matmul outputs: backward re-runs none of them.
+    assert log.names.count("aten.addmm") == plain_ops.count("aten.addmm")
+    assert log.names.count("aten.gelu") == plain_ops.count("aten.gelu") + 1
+
+
 def test_save_everything_does_not_rerun_anything():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16))

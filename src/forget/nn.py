@@ -56,7 +56,13 @@ class Forget(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module as a forgotten region."""
-        return run_region(self.module, args, kwargs, preserve_rng_state=self.preserve_rng_state)
+        return run_region(
+            self.module,
+            args,
+            kwargs,
+            preserve_rng_state=self.preserve_rng_state,
+            policy=self.policy,
+        )
 
 
 def _strip_prefix(
