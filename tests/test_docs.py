@@ -9,8 +9,26 @@ from pathlib import Path
 
 import pytest
 
-MODULES = ["forget._core", "forget._state", "forget._checkpoint", "forget.nn"]
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SRC = ROOT / "src"
+
+
+def _modules_with_examples() -> list[str]:
+    """Every module of the package whose source holds a ``>>>`` example."""
+    names = []
+    for path in sorted((SRC / "forget").rglob("*.py")):
+        if ">>>" in path.read_text():
+            parts = path.relative_to(SRC).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+MODULES = _modules_with_examples()
+
+
+def test_examples_are_found():
+    assert {"forget._core", "forget.nn", "forget._planning", "forget.plan"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from ._measure import SavedReport as SavedReport
     from ._measure import measure as measure
     from ._measure import saved as saved
+    from ._planning import Plan as Plan
+    from ._planning import profile_chain as profile_chain
     from ._state import in_recomputing as in_recomputing
     from .nn import Forget as Forget
     from .nn import ForgetSequential as ForgetSequential
@@ -45,6 +47,8 @@ _LAZY: dict[str, str] = {
     "saved": "._measure",
     "MemoryReport": "._measure",
     "SavedReport": "._measure",
+    "Plan": "._planning",
+    "profile_chain": "._planning",
 }
 
 # Public submodules, imported on first access; ``plan`` and ``policies`` import no torch.
@@ -56,6 +60,7 @@ __all__ = [
     "ForgetError",
     "ForgetSequential",
     "MemoryReport",
+    "Plan",
     "RecomputationMismatchError",
     "SavedReport",
     "__version__",
@@ -67,6 +72,7 @@ __all__ = [
     "models",
     "plan",
     "policies",
+    "profile_chain",
     "saved",
 ]
 

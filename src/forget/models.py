@@ -69,6 +69,9 @@ class BlockModel(nn.Module):
 
     blocks: nn.ModuleList
     batch_size: int
+    #: Runs all blocks at once in place of the per-block loop when set (``None``:
+    #: the loop); `forget.Plan.apply` sets it to a planned schedule.
+    blocks_runner: Callable[[Tensor], Tensor] | None = None
 
     def embed(self, x: Tensor) -> Tensor:
         """Map the raw input to the first block's input."""
@@ -91,8 +94,11 @@ class BlockModel(nn.Module):
             The model's output (logits).
         """
         h = self.embed(x)
-        for block in self.blocks:
-            h = block(h) if wrap is None else wrap(block, h)
+        if wrap is None and self.blocks_runner is not None:
+            h = self.blocks_runner(h)
+        else:
+            for block in self.blocks:
+                h = block(h) if wrap is None else wrap(block, h)
         return self.readout(h)
 
     def example_input(

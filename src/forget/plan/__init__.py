@@ -13,7 +13,12 @@ Example:
     True
 """
 
+import sys
+import types
+from typing import Any
+
 from ._baselines import sqrt_segments as sqrt_segments
+from ._budget import parse_budget as parse_budget
 from ._chain import Chain as Chain
 from ._chain import Stage as Stage
 from ._chain import StageOption as StageOption
@@ -49,8 +54,30 @@ __all__ = [
     "get_algorithm",
     "min_feasible_bytes",
     "pareto",
+    "parse_budget",
     "revolve_forward_steps",
     "simulate",
     "solve",
     "sqrt_segments",
 ]
+
+
+# ``forget.plan(model, *inputs, budget=...)`` profiles a torch model and plans it
+# (`forget._planning.plan`). Calling the module imports torch then, never before:
+# ``import forget.plan`` stays torch-free for the pure algorithms above.
+class _PlanModule(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .._planning import plan
+
+        return plan(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Plan", "profile_chain"):
+        from .. import _planning
+
+        return getattr(_planning, name)
+    raise AttributeError(f"module 'forget.plan' has no attribute {name!r}")
+
+
+sys.modules[__name__].__class__ = _PlanModule

@@ -285,6 +285,7 @@ def solve(
         TypeError: wrong argument types or unknown options.
 
     Example:
+        >>> from forget.plan import Chain, Stage, solve
         >>> stage = Stage("layer", 1.0, 0.8, 2.0, 100, 100, 400)
         >>> plan = solve(Chain((stage,) * 8), 2000)
         >>> plan.predicted_peak_bytes <= 2000

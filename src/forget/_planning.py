@@ -1,0 +1,772 @@
+"""Budgeted planning on a torch model: profile its blocks, solve, apply, verify by measuring.
+
+`plan` turns a chain of blocks into a `forget.plan.Chain` of exact byte counts
+(`forget.measure`) and median times, solves it for a memory budget with the
+pure planners of `forget.plan`, and returns a `Plan` whose measured peak fits
+the budget.
+
+NOTE [measured, not predicted]: the planners' memory model covers the chain's
+activations, histories and gradients; a real step also holds what lies
+outside it: the stem and head of a model, the loss, parameter gradients
+(which grow as backward proceeds), allocator-visible temporaries the model
+does not know about. So `plan` never trusts a prediction. It applies every
+candidate schedule and measures the training step with the exact ledger,
+which repeats to the byte on the same inputs. The smallest feasible budget is
+the measured peak of the least-memory schedule; above it, a bisection over
+the budget handed to the planner keeps the fastest schedule whose measured
+peak is within the budget. A returned plan has ``measured_peak_bytes <=
+budget_bytes`` by construction, for the inputs it was planned with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import plan as P
+from ._core import run_region
+from ._errors import BudgetInfeasibleError
+from ._measure import measure
+from .plan._baselines import forget_each_items, uniform_items
+from .policies import Policy, as_policy
+
+__all__ = ["Plan", "PlannedSequential", "plan", "profile_chain"]
+
+Block = Callable[[Tensor], Tensor]
+LossFn = Callable[[Tensor], Tensor]
+
+# Bisection probes over the planner's budget (each one measured step at most).
+_MAX_PROBES = 10
+# Chains up to this length also measure every uniform segmentation as a candidate.
+_MAX_UNIFORM_TRIALS = 16
+
+
+def _default_loss(output: Tensor) -> Tensor:
+    return output.sum()
+
+
+def _nbytes(t: Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def _check_tensor(value: object, what: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"forget: plan runs a chain of blocks, each taking and returning one tensor; "
+            f"{what} is {type(value).__name__}"
+        )
+    return value
+
+
+# ------------------------------------------------------------------ targets
+
+
+@dataclass
+class _Target:
+    """What is planned: the blocks, and how one training step runs them."""
+
+    blocks: Sequence[Block]
+    modules: list[nn.Module]
+    inputs: tuple[Any, ...]
+    kind: str  # "sequential", "block_model" or "callables"
+    model: Any  # the nn.Module (a reference model for kind "block_model"), or None
+    loss_fn: LossFn | None
+
+    def chain_input(self) -> Tensor:
+        if self.kind == "block_model":
+            assert self.model is not None
+            with torch.no_grad():
+                h = self.model.embed(self.inputs[0])
+        else:
+            h = _check_tensor(self.inputs[0], "the sample input")
+        return h.detach().requires_grad_(h.is_floating_point())
+
+    def step(self, runner: Block | None) -> None:
+        if self.kind == "block_model":
+            assert self.model is not None
+            before = self.model.blocks_runner
+            self.model.blocks_runner = runner
+            try:
+                self.model.step(*self.inputs)
+            finally:
+                self.model.blocks_runner = before
+            return
+        loss_fn = self.loss_fn or _default_loss
+        # As ``loss_fn(model(x)).backward()``: the output is not held during backward.
+        loss_fn(self._forward(runner)).backward()
+
+    def _forward(self, runner: Block | None) -> Tensor:
+        h = _check_tensor(self.inputs[0], "the sample input")
+        if runner is not None:
+            return runner(h)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def _target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> _Target:
+    from .models import BlockModel
+
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"forget: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(model, BlockModel):
+        if len(inputs) != 2:
+            raise TypeError(
+                "forget: plan of a reference model takes its sample (input, target), "
+                f"got {len(inputs)} sample inputs"
+            )
+        if loss_fn is not None:
+            raise TypeError("forget: a reference model brings its own loss; drop loss_fn")
+        blocks = list(model.blocks)
+        return _Target(blocks, [model], inputs, "block_model", model, None)
+    if len(inputs) != 1:
+        raise TypeError(
+            f"forget: plan takes one sample input for the first block, got {len(inputs)}"
+        )
+    if isinstance(model, nn.Sequential):
+        blocks = list(model)
+        return _Target(blocks, [model], inputs, "sequential", model, loss_fn)
+    if isinstance(model, nn.Module):
+        raise TypeError(
+            f"forget: plan takes an nn.Sequential, an nn.ModuleList or list of blocks, or a "
+            f"reference model (forget.models), got {type(model).__name__}; pass its list of "
+            "blocks (e.g. model.layers) and run them with Plan.runner(blocks)"
+        )
+    if isinstance(model, Sequence | nn.ModuleList) and not isinstance(model, str | bytes):
+        blocks = list(model)
+        for i, block in enumerate(blocks):
+            if not callable(block):
+                raise TypeError(
+                    f"forget: block {i} of the chain is not callable ({type(block).__name__})"
+                )
+        modules = [b for b in blocks if isinstance(b, nn.Module)]
+        return _Target(blocks, modules, inputs, "callables", None, loss_fn)
+    raise TypeError(
+        "forget: plan takes an nn.Sequential, an nn.ModuleList or list of blocks, or a "
+        f"reference model (forget.models), got {type(model).__name__}"
+    )
+
+
+def _parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _cuda_devices(modules: Sequence[nn.Module], inputs: Sequence[Any]) -> list[int]:
+    devices = {p.device for m in modules for p in m.parameters()}
+    devices |= {x.device for x in inputs if isinstance(x, Tensor)}
+    return sorted(d.index or 0 for d in devices if d.type == "cuda")
+
+
+@contextlib.contextmanager
+def _untouched(target: _Target) -> Iterator[None]:
+    """Run trial steps that leave no trace: RNG, buffers and ``.grad`` restored after."""
+    params = _parameters(target.modules)
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for m in target.modules for b in m.buffers()]
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(target.modules, target.inputs)):
+            yield
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+
+def _zero_grads(target: _Target) -> None:
+    for p in _parameters(target.modules):
+        p.grad = None
+
+
+# ---------------------------------------------------------------- profiling
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _policy_region(block: Block, policy: Policy) -> Block:
+    def run(h: Tensor) -> Tensor:
+        out: Tensor = run_region(block, (h,), {}, policy=policy)
+        return out
+
+    return run
+
+
+def _profile_stage(
+    name: str,
+    block: Block,
+    h: Tensor,
+    policies: Mapping[str, Policy],
+    repeats: int,
+) -> tuple[P.Stage, Tensor]:
+    params = [p for p in getattr(block, "parameters", list)() if p.requires_grad]
+
+    def clear() -> None:
+        h.grad = None
+        for p in params:
+            p.grad = None
+
+    def forward_backward(run: Block) -> tuple[int, int, int, int, Tensor]:
+        """Return (saved, forward overhead, backward overhead, output bytes, output)."""
+        clear()
+        fwd = measure(run, h)
+        out = _check_tensor(fwd.result, f"the output of block {name!r}")
+        out_bytes = _nbytes(out)
+        saved = max(0, fwd.end_bytes - out_bytes)
+        fwd_over = max(0, fwd.peak_bytes - fwd.end_bytes)
+        if not out.requires_grad:
+            return saved, fwd_over, 0, out_bytes, out.detach()
+        grad = torch.ones_like(out)
+        bwd = measure(out.backward, grad)
+        # The step keeps what backward leaves (the input's and parameters'
+        # gradients); the rest of its peak is temporary.
+        bwd_over = max(0, bwd.peak_bytes - bwd.end_bytes)
+        return saved, fwd_over, bwd_over, out_bytes, out.detach()
+
+    saved, fwd_over, bwd_over, out_bytes, out = forward_backward(block)
+
+    def forward_with_grad() -> None:
+        block(h)
+
+    def forward_nograd() -> None:
+        with torch.no_grad():
+            block(h)
+
+    def backward_of(run: Block) -> Callable[[], float]:
+        def timed() -> float:
+            clear()
+            y = run(h)
+            if not y.requires_grad:
+                return 0.0
+            grad = torch.ones_like(y)
+            start = time.perf_counter()
+            y.backward(grad)
+            return time.perf_counter() - start
+
+        return timed
+
+    def median_of(fn: Callable[[], float]) -> float:
+        return statistics.median(fn() for _ in range(repeats))
+
+    forward_s = _median_s(forward_with_grad, repeats)
+    nograd_s = _median_s(forward_nograd, repeats)
+    backward_s = median_of(backward_of(block))
+    options = []
+    for option_name, policy in policies.items():
+        run = _policy_region(block, policy)
+        opt_saved, _, opt_bwd_over, _, _ = forward_backward(run)
+        opt_backward_s = median_of(backward_of(run))
+        options.append(
+            P.StageOption(
+                option_name,
+                saved_bytes=opt_saved,
+                recompute_s=max(0.0, opt_backward_s - backward_s),
+                backward_overhead_bytes=max(0, opt_bwd_over - bwd_over),
+            )
+        )
+    clear()
+    stage = P.Stage(
+        name,
+        forward_s=forward_s,
+        forward_nograd_s=nograd_s,
+        backward_s=backward_s,
+        input_bytes=_nbytes(h),
+        output_bytes=out_bytes,
+        saved_bytes=saved,
+        forward_overhead_bytes=fwd_over,
+        backward_overhead_bytes=bwd_over,
+        options=tuple(options),
+    )
+    return stage, out.requires_grad_(out.is_floating_point())
+
+
+def _stage_names(target: _Target) -> list[str]:
+    if target.kind == "block_model":
+        return [f"blocks.{i}" for i in range(len(target.blocks))]
+    if target.kind == "sequential":
+        assert target.model is not None
+        return [name for name, _ in target.model.named_children()]
+    return [
+        f"{i}:{type(b).__name__ if isinstance(b, nn.Module) else getattr(b, '__name__', 'fn')}"
+        for i, b in enumerate(target.blocks)
+    ]
+
+
+def _check_options(options: Mapping[str, object] | None) -> dict[str, Policy]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            "forget: options maps option names to policies, e.g. "
+            f"{{'matmuls': forget.policies.save_outputs_of(*forget.policies.MATMUL)}}, "
+            f"got {type(options).__name__}"
+        )
+    out: dict[str, Policy] = {}
+    for name, value in options.items():
+        policy = as_policy(value)  # type: ignore[arg-type]
+        if policy is None:
+            raise ValueError(f"forget: option {name!r} keeps nothing; that is 'forgotten' already")
+        out[name] = policy
+    return out
+
+
+def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P.Chain:
+    if not target.blocks:
+        raise ValueError("forget: plan needs at least one block, got none")
+    h = target.chain_input()
+    stages = []
+    for name, block in zip(_stage_names(target), target.blocks, strict=True):
+        stage, h = _profile_stage(name, block, h, policies, repeats)
+        stages.append(stage)
+    return P.Chain(tuple(stages))
+
+
+def profile_chain(
+    blocks: object,
+    *sample_inputs: Any,
+    loss_fn: LossFn | None = None,
+    options: Mapping[str, Policy | bool] | None = None,
+    repeats: int = 3,
+) -> P.Chain:
+    """Measure a chain of blocks into a `forget.plan.Chain` of plain numbers.
+
+    Each block runs on its input from the previous block: bytes come from the
+    exact ledger (`forget.measure`), times are medians over ``repeats``. The
+    model is left as it was (RNG, buffers such as BatchNorm statistics, and
+    ``.grad`` are restored).
+
+    Args:
+        blocks: an ``nn.Sequential``, an ``nn.ModuleList`` or list of callables
+            (tensor -> tensor), or a reference model of `forget.models`.
+        *sample_inputs: the first block's input (a reference model: ``x, target``).
+        loss_fn: unused here (accepted so that the arguments match `plan`).
+        options: name -> policy: partial keeps the planner may pick per stage.
+        repeats: timing repeats per figure.
+
+    Returns:
+        The chain; ``str(stage)`` shows each stage's figures.
+    """
+    target = _target(blocks, sample_inputs, loss_fn)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"forget: repeats must be an int >= 1, got {repeats!r}")
+    with _untouched(target):
+        return _profile(target, _check_options(options), repeats)
+
+
+# ---------------------------------------------------------------- applying
+
+
+class _Items:
+    """Run some schedule items on a tensor (the body of one forget region)."""
+
+    def __init__(
+        self,
+        items: Sequence[P.Keep | P.Region],
+        blocks: Sequence[Block],
+        policies: Mapping[str, Policy],
+    ) -> None:
+        self.items = tuple(items)
+        self.blocks = blocks
+        self.policies = policies
+        self.__qualname__ = f"plan_region[{self.items[0].start}:{self.items[-1].stop}]"
+
+    def __call__(self, h: Tensor) -> Tensor:
+        for item in self.items:
+            if isinstance(item, P.Keep):
+                block = self.blocks[item.stage_index]
+                if item.option is None:
+                    h = block(h)
+                else:
+                    h = run_region(block, (h,), {}, policy=self.policies[item.option])
+            else:
+                h = run_region(_Items(item.items, self.blocks, self.policies), (h,), {})
+        return h
+
+
+class PlannedSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose layers run as a `Plan` says (same names, same state_dict keys)."""
+
+    def __init__(self, sequential: nn.Sequential, runner: Block) -> None:
+        super().__init__(OrderedDict(sequential.named_children()))
+        self._runner = runner
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Run the layers under the plan's schedule."""
+        return self._runner(x)
+
+
+def _fmt_bytes(n: int | float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule for a chain of blocks that fits a memory budget, measured.
+
+    Attributes:
+        schedule: the planner's `forget.plan.Schedule` (nested forget regions).
+        chain: the profiled figures it was solved on.
+        budget_bytes: the budget, in bytes.
+        measured_peak_bytes: peak of the planned training step (`forget.measure`).
+        predicted_peak_bytes: the planner's peak plus what lies outside its
+            model (the plain step's measured peak minus its predicted peak).
+        plain_peak_bytes: measured peak of the plain step.
+        min_feasible_bytes: measured peak of the least-memory schedule: the
+            smallest budget `plan` accepts for this model and input.
+        option_names: the stage options the planner could choose from.
+    """
+
+    schedule: P.Schedule
+    chain: P.Chain
+    budget_bytes: int
+    measured_peak_bytes: int
+    predicted_peak_bytes: int
+    plain_peak_bytes: int
+    min_feasible_bytes: int
+    option_names: tuple[str, ...] = ()
+    policies: Mapping[str, Policy] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted extra time of a step, as a fraction of the plain step's time."""
+        return self.schedule.predicted_overhead_s / max(self.chain.store_all_time_s, 1e-12)
+
+    def runner(self, blocks: Sequence[Block]) -> Block:
+        """Return a callable running ``blocks`` (tensor -> tensor) under this plan.
+
+        Raises:
+            ValueError: not as many blocks as the plan has stages, or an option
+                the plan uses has no policy (a loaded plan: pass ``options``).
+        """
+        blocks = list(blocks)
+        if len(blocks) != self.schedule.num_stages:
+            raise ValueError(
+                f"forget: this plan is for {self.schedule.num_stages} blocks, got {len(blocks)}"
+            )
+        used = {d.option for d in self.schedule.stage_decisions() if d.option is not None}
+        missing = sorted(used - set(self.policies))
+        if missing:
+            raise ValueError(
+                f"forget: the plan uses the options {missing} but has no policy for them; "
+                "load it with Plan.load(path, options={name: policy, ...})"
+            )
+        return _Items(self.schedule.items, blocks, self.policies)
+
+    def apply(self, model: Any) -> Any:
+        """Make ``model`` run under this plan.
+
+        Args:
+            model: an ``nn.Sequential`` (returns a `PlannedSequential` with the
+                same layers and state_dict keys), a reference model of
+                `forget.models` (sets its ``blocks_runner``; returns it), or a
+                list / ``nn.ModuleList`` of blocks (returns a callable).
+        """
+        from .models import BlockModel
+
+        if isinstance(model, BlockModel):
+            model.blocks_runner = self.runner(list(model.blocks))
+            return model
+        if isinstance(model, nn.Sequential):
+            return PlannedSequential(model, self.runner(list(model)))
+        if isinstance(model, Sequence | nn.ModuleList):
+            return self.runner(list(model))
+        raise TypeError(
+            "forget: Plan.apply takes an nn.Sequential, a reference model or a list of "
+            f"blocks, got {type(model).__name__}"
+        )
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Per stage: name, decision, depth, saved bytes and expected recompute time."""
+        rows = []
+        for d in self.schedule.stage_decisions():
+            stage = self.chain.stages[d.stage_index]
+            option = stage.option(d.option)
+            saved = stage.saved_bytes if option is None else option.saved_bytes
+            recompute = d.depth * stage.forward_nograd_s + (option.recompute_s if option else 0.0)
+            rows.append(
+                {
+                    "stage": stage.name,
+                    "decision": d.decision,
+                    "depth": d.depth,
+                    "saved_bytes": 0 if d.depth > 0 and option is None else saved,
+                    "recompute_s": recompute,
+                }
+            )
+        return rows
+
+    def __str__(self) -> str:
+        lines = [
+            f"forget plan ({self.schedule.algorithm}): {self.schedule.num_stages} stages, "
+            f"budget {_fmt_bytes(self.budget_bytes)} ({self.budget_bytes:,} B)",
+            f"  {'stage':<14} {'decision':<10} {'depth':>5} {'kept bytes':>14} {'recompute':>11}",
+        ]
+        for row in self.rows():
+            lines.append(
+                f"  {row['stage']:<14} {row['decision']:<10} {row['depth']:>5} "
+                f"{row['saved_bytes']:>14,} {row['recompute_s'] * 1e3:>9.3f}ms"
+            )
+        lines += [
+            f"  peak: measured {self.measured_peak_bytes:,} B, predicted "
+            f"{self.predicted_peak_bytes:,} B, plain {self.plain_peak_bytes:,} B "
+            f"({self.measured_peak_bytes / max(self.plain_peak_bytes, 1):.2f}x)",
+            f"  predicted time overhead: +{100 * self.predicted_overhead:.1f} % of a plain step; "
+            f"schedule {self.schedule}",
+        ]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (policies are saved by name only)."""
+        return {
+            "format": "forget.plan/1",
+            "schedule": self.schedule.to_dict(),
+            "chain": [dataclasses.asdict(s) for s in self.chain.stages],
+            "budget_bytes": self.budget_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "plain_peak_bytes": self.plain_peak_bytes,
+            "min_feasible_bytes": self.min_feasible_bytes,
+            "option_names": list(self.option_names),
+        }
+
+    def to_json(self) -> str:
+        """The plan as JSON text."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON to ``path``."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(
+        cls, obj: Mapping[str, Any], *, options: Mapping[str, Policy | bool] | None = None
+    ) -> Plan:
+        """Rebuild a plan from `to_dict`'s output; ``options`` gives the policies by name."""
+        if not isinstance(obj, Mapping) or obj.get("format") != "forget.plan/1":
+            raise ValueError("forget: not a saved forget plan (format 'forget.plan/1' expected)")
+        stages = []
+        for s in obj["chain"]:
+            fields = dict(s)
+            fields["options"] = tuple(P.StageOption(**o) for o in fields.get("options", ()))
+            stages.append(P.Stage(**fields))
+        return cls(
+            schedule=P.Schedule.from_dict(obj["schedule"]),
+            chain=P.Chain(tuple(stages)),
+            budget_bytes=int(obj["budget_bytes"]),
+            measured_peak_bytes=int(obj["measured_peak_bytes"]),
+            predicted_peak_bytes=int(obj["predicted_peak_bytes"]),
+            plain_peak_bytes=int(obj["plain_peak_bytes"]),
+            min_feasible_bytes=int(obj["min_feasible_bytes"]),
+            option_names=tuple(obj.get("option_names", ())),
+            policies=_check_options(options),
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, options: Mapping[str, Policy | bool] | None = None) -> Plan:
+        """Rebuild a plan from `to_json`'s text."""
+        return cls.from_dict(json.loads(text), options=options)
+
+    @classmethod
+    def load(cls, path: str | Path, *, options: Mapping[str, Policy | bool] | None = None) -> Plan:
+        """Read a plan written by `save`."""
+        return cls.from_json(Path(path).read_text(), options=options)
+
+
+# ---------------------------------------------------------------- planning
+
+
+class _Trials:
+    """Measured peaks of candidate schedules, each schedule measured once."""
+
+    def __init__(self, target: _Target, policies: Mapping[str, Policy]) -> None:
+        self.target = target
+        self.policies = policies
+        self.peaks: dict[tuple[P.Keep | P.Region, ...], int] = {}
+
+    def peak(self, schedule: P.Schedule) -> int:
+        key = schedule.items
+        if key not in self.peaks:
+            runner = _Items(schedule.items, self.target.blocks, self.policies)
+            with _untouched(self.target):
+                _zero_grads(self.target)
+                self.peaks[key] = measure(self.target.step, runner).peak_bytes
+        return self.peaks[key]
+
+
+def plan(
+    model_or_blocks: object,
+    *sample_inputs: Any,
+    budget: int | float | str,
+    loss_fn: LossFn | None = None,
+    algorithm: str = "optimal",
+    options: Mapping[str, Policy | bool] | None = None,
+    repeats: int = 3,
+    chain: P.Chain | None = None,
+) -> Plan:
+    """Fit a training step into ``budget`` bytes with the least recomputation.
+
+    Profiles the blocks (`profile_chain`), solves the chain with ``algorithm``
+    (`forget.plan.ALGORITHMS`), applies candidate schedules and measures the
+    step, and returns the fastest whose measured peak fits (NOTE [measured, not
+    predicted] in this module). The model is left as it was.
+
+    Args:
+        model_or_blocks: an ``nn.Sequential``, an ``nn.ModuleList`` or list of
+            blocks (tensor -> tensor), or a reference model of `forget.models`.
+        *sample_inputs: the first block's input (reference model: ``x, target``).
+        budget: bytes (``int``), a string (``"512MiB"``, ``"2GB"``, ``"50%"``),
+            or a fraction in ``(0, 1]`` of the plain step's measured peak.
+        loss_fn: output -> scalar loss for the step (default: ``output.sum()``).
+        algorithm: the planner (``"optimal"``, ``"uniform"``, ``"sqrt"``, ...).
+        options: name -> policy: partial keeps per stage (issue: selective
+            recomputation), e.g. ``{"matmuls": save_outputs_of(*MATMUL)}``.
+        repeats: timing repeats per profiled figure.
+        chain: figures from an earlier `profile_chain` of the same blocks and
+            options, to skip profiling.
+
+    Returns:
+        A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` runs it.
+
+    Raises:
+        BudgetInfeasibleError: the budget is below the smallest feasible one,
+            which the error names (``min_feasible_bytes``).
+
+    Example:
+        >>> import torch, forget
+        >>> def layer():
+        ...     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+        ...                                torch.nn.Linear(256, 64))
+        >>> net = torch.nn.Sequential(*[layer() for _ in range(6)])
+        >>> p = forget.plan(net, torch.randn(256, 64), budget="60%", repeats=1)
+        >>> p.measured_peak_bytes <= p.budget_bytes
+        True
+        >>> forget.plan.Plan is forget.Plan
+        True
+    """
+    planner = _Planner(
+        model_or_blocks,
+        sample_inputs,
+        loss_fn=loss_fn,
+        options=options,
+        repeats=repeats,
+        chain=chain,
+    )
+    return planner.plan(budget, algorithm=algorithm)
+
+
+class _Planner:
+    """Profile once, then plan for several budgets, sharing the measured trials."""
+
+    def __init__(
+        self,
+        model_or_blocks: object,
+        sample_inputs: tuple[Any, ...],
+        *,
+        loss_fn: LossFn | None = None,
+        options: Mapping[str, Policy | bool] | None = None,
+        repeats: int = 3,
+        chain: P.Chain | None = None,
+    ) -> None:
+        self.target = _target(model_or_blocks, sample_inputs, loss_fn)
+        self.policies = _check_options(options)
+        if chain is None:
+            chain = profile_chain(model_or_blocks, *sample_inputs, options=options, repeats=repeats)
+        elif not isinstance(chain, P.Chain) or len(chain) != len(self.target.blocks):
+            raise ValueError("forget: chain must be a forget.plan.Chain with one stage per block")
+        self.chain = chain
+        self.trials = _Trials(self.target, self.policies)
+        n = len(chain)
+        self.store_all = P.Schedule.from_items(
+            chain, tuple(P.Keep(i) for i in range(n)), algorithm="store_all"
+        )
+        self.plain_peak = self.trials.peak(self.store_all)
+        self.outside = self.plain_peak - self.store_all.predicted_peak_bytes
+        # Baselines measured alongside the planner's own schedules: the plan is
+        # never slower (predicted) than a fitting one of them.
+        self.baselines = [
+            P.Schedule.from_items(chain, forget_each_items(n), algorithm="forget_each")
+        ]
+        if n <= _MAX_UNIFORM_TRIALS:
+            self.baselines += [
+                P.Schedule.from_items(chain, uniform_items(n, k), algorithm=f"uniform({k})")
+                for k in range(2, n + 1)
+            ]
+
+    def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
+        chain, trials = self.chain, self.trials
+        budget_bytes = P.parse_budget(budget, self.plain_peak)
+        chain_min = P.min_feasible_bytes(chain, algorithm)
+        least = P.solve(chain, chain_min, algorithm=algorithm)
+        fitting: list[tuple[P.Schedule, int]] = []
+        peaks = []
+        for schedule in [least, *self.baselines]:
+            peak = trials.peak(schedule)
+            peaks.append(peak)
+            if peak <= budget_bytes:
+                fitting.append((schedule, peak))
+        min_feasible = min(self.plain_peak, *peaks)
+        if budget_bytes < min_feasible:
+            raise BudgetInfeasibleError(
+                f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
+                f"{min_feasible:,} B (the least measured peak of any schedule tried; the "
+                f"plain step peaks at {self.plain_peak:,} B)",
+                budget_bytes=budget_bytes,
+                min_feasible_bytes=min_feasible,
+            )
+        if budget_bytes >= self.plain_peak:
+            fitting = [(self.store_all, self.plain_peak)]
+        else:
+            lo, hi = chain_min, self.store_all.predicted_peak_bytes
+            probe = min(max(budget_bytes - self.outside, lo), hi)
+            for _ in range(_MAX_PROBES):
+                candidate = P.solve(chain, probe, algorithm=algorithm)
+                peak = trials.peak(candidate)
+                if peak <= budget_bytes:
+                    fitting.append((candidate, peak))
+                    lo = probe
+                else:
+                    hi = probe
+                if hi - lo <= max(1, hi // 1000):
+                    break
+                probe = (lo + hi) // 2
+        best, best_peak = min(fitting, key=lambda sp: (sp[0].predicted_time_s, sp[1]))
+        schedule = dataclasses.replace(best, budget_bytes=budget_bytes)
+        return Plan(
+            schedule=schedule,
+            chain=chain,
+            budget_bytes=budget_bytes,
+            measured_peak_bytes=best_peak,
+            predicted_peak_bytes=best.predicted_peak_bytes + self.outside,
+            plain_peak_bytes=self.plain_peak,
+            min_feasible_bytes=min_feasible,
+            option_names=tuple(self.policies),
+            policies=self.policies,
+        )

@@ -1,0 +1,324 @@
+"""forget.plan on torch models: measured peak <= budget, exact gradients, JSON, errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import forget
+from forget import BudgetInfeasibleError
+from forget import plan as P
+from forget import policies as policies_
+from forget._planning import Plan, PlannedSequential, _Planner
+from forget.models import build_model
+
+# Reference models at sizes where activations, not parameters, dominate the peak.
+SIZES = {
+    "residual_mlp": {"batch_size": 256, "depth": 6},
+    "small_cnn": {"batch_size": 32, "depth": 4, "image_size": 16},
+    "tiny_gpt": {"batch_size": 16, "depth": 4, "context": 32},
+}
+
+
+def _model(name: str):
+    model = build_model(name, "tiny", **SIZES[name])
+    x, target = model.example_input(generator=torch.Generator().manual_seed(0))
+    return model, x, target
+
+
+def _step(model, x, target, seed=5):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model.step(x, target)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return loss, grads, buffers
+
+
+def _peak(model, x, target) -> int:
+    model.zero_grad(set_to_none=True)
+    return forget.measure(model.step, x, target).peak_bytes
+
+
+@pytest.fixture(scope="module", params=list(SIZES))
+def planned(request):
+    name = request.param
+    model, x, target = _model(name)
+    return name, model, x, target, _Planner(model, (x, target), repeats=1)
+
+
+def test_measured_peak_fits_every_budget_and_gradients_match(planned):
+    name, model, x, target, planner = planned
+    plain = _step(copy.deepcopy(model), x, target)
+    budgets = [0.75, 0.5, 0.35]
+    least = None
+    fitted = 0
+    for share in budgets:
+        budget = int(share * planner.plain_peak)
+        try:
+            plan = planner.plan(budget)
+        except BudgetInfeasibleError as err:
+            assert err.budget_bytes == budget < err.min_feasible_bytes
+            least = err.min_feasible_bytes
+            continue
+        fitted += 1
+        ours = plan.apply(copy.deepcopy(model))
+        loss, grads, buffers = _step(ours, x, target)
+        assert torch.equal(loss, plain[0])
+        assert grads.keys() == plain[1].keys()
+        assert all(torch.equal(grads[k], plain[1][k]) for k in grads)
+        assert all(torch.equal(buffers[k], plain[2][k]) for k in buffers)
+        # Measured again (after the step above: it updates BatchNorm statistics),
+        # independently of the planner's own trials.
+        assert _peak(ours, x, target) == plan.measured_peak_bytes <= budget
+    assert fitted >= 1, f"{name}: no budget fitted; the test would check nothing"
+    least = least or planner.plan(planner.plain_peak).min_feasible_bytes
+    assert _peak(planner.plan(least).apply(copy.deepcopy(model)), x, target) <= least
+
+
+def test_minimum_feasible_budget_works_and_one_byte_less_raises(planned):
+    _, model, x, target, planner = planned
+    least = planner.plan(planner.plain_peak).min_feasible_bytes
+    assert least < planner.plain_peak
+    plan = planner.plan(least)
+    assert plan.measured_peak_bytes <= least
+    assert _peak(plan.apply(copy.deepcopy(model)), x, target) <= least
+    with pytest.raises(BudgetInfeasibleError, match=f"{least:,} B") as info:
+        planner.plan(least - 1)
+    assert info.value.min_feasible_bytes == least
+    assert info.value.budget_bytes == least - 1
+
+
+def test_budget_at_or_above_the_plain_peak_stores_everything(planned):
+    _, _, _, _, planner = planned
+    plan = planner.plan(planner.plain_peak)
+    assert all(d.decision == "kept" for d in plan.schedule.stage_decisions())
+    assert plan.measured_peak_bytes == plan.plain_peak_bytes
+    assert plan.predicted_overhead == 0
+
+
+def test_plan_is_never_slower_than_a_fitting_uniform_segmentation(planned):
+    _, _, _, _, planner = planned
+    plan = planner.plan(0.75)
+    n = len(planner.chain)
+    for k in range(2, n + 1):
+        uniform = P.Schedule.from_items(planner.chain, P._baselines.uniform_items(n, k))
+        if planner.trials.peak(uniform) <= plan.budget_bytes:
+            assert plan.schedule.predicted_time_s <= uniform.predicted_time_s
+
+
+def test_planning_leaves_the_model_and_rng_as_they_were():
+    model, x, target = _model("small_cnn")
+    before = copy.deepcopy(model.state_dict())
+    model.zero_grad(set_to_none=True)
+    rng = torch.get_rng_state()
+    forget.plan(model, x, target, budget=0.9, repeats=1)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert model.blocks_runner is None
+
+
+def _sequential() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 32))
+            for _ in range(5)
+        ]
+    )
+
+
+def test_sequential_plan_keeps_names_and_gradients():
+    net = _sequential()
+    x = torch.randn(128, 32)
+    plan = forget.plan(net, x, budget="60%", repeats=1)
+    assert any(d.depth > 0 for d in plan.schedule.stage_decisions())
+    ours = plan.apply(copy.deepcopy(net))
+    assert isinstance(ours, PlannedSequential)
+    assert list(ours.state_dict()) == list(net.state_dict())
+    grads = []
+    for model in (net, ours):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        model(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    ours.zero_grad(set_to_none=True)
+    peak = forget.measure(lambda: ours(x).sum().backward()).peak_bytes
+    assert peak == plan.measured_peak_bytes <= plan.budget_bytes
+
+
+def test_list_of_callables_with_a_loss_function():
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 16)]
+    blocks = [*layers[:-1], lambda h: layers[-1](h).softmax(-1)]
+    x = torch.randn(256, 16)
+
+    def loss_fn(y):
+        return y.square().mean()
+
+    plan = forget.plan(blocks, x, budget=0.9, loss_fn=loss_fn, repeats=1)
+    run = plan.apply(blocks)
+    for m in layers:
+        m.zero_grad(set_to_none=True)
+    loss_fn(run(x)).backward()
+    ours = [p.grad.clone() for m in layers for p in m.parameters()]
+    for m in layers:
+        m.zero_grad(set_to_none=True)
+    h = x
+    for block in blocks:
+        h = block(h)
+    loss_fn(h).backward()
+    assert all(
+        torch.equal(a, p.grad)
+        for a, p in zip(ours, [p for m in layers for p in m.parameters()], strict=True)
+    )
+
+
+def test_json_round_trip_applies_the_same_schedule(tmp_path):
+    model, x, target = _model("residual_mlp")
+    plan = forget.plan(model, x, target, budget=0.5, repeats=1)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert json.loads(path.read_text())["measured_peak_bytes"] == plan.measured_peak_bytes
+    loaded = forget.Plan.load(path)
+    assert loaded == plan
+    assert str(loaded) == str(plan)
+    plain = _step(copy.deepcopy(model), x, target)
+    loss, grads, _ = _step(loaded.apply(copy.deepcopy(model)), x, target)
+    assert torch.equal(loss, plain[0])
+    assert all(torch.equal(grads[k], plain[1][k]) for k in grads)
+
+
+def test_stage_options_are_profiled_and_a_partial_keep_is_exact():
+    model, x, target = _model("tiny_gpt")
+    matmuls = policies_.save_outputs_of(*policies_.MATMUL, *policies_.ATTENTION)
+    planner = _Planner(model, (x, target), options={"matmuls": matmuls}, repeats=1)
+    for stage in planner.chain.stages:
+        (option,) = stage.options
+        assert option.name == "matmuls"
+        assert 0 < option.saved_bytes < stage.saved_bytes
+    plan = planner.plan(planner.plain_peak)
+    n = len(planner.chain)
+    partial = P.Schedule.from_items(planner.chain, tuple(P.Keep(i, "matmuls") for i in range(n)))
+    plan = Plan(**{**plan.__dict__, "schedule": partial})
+    assert {row["decision"] for row in plan.rows()} == {"matmuls"}
+    plain = _step(copy.deepcopy(model), x, target)
+    ours = plan.apply(copy.deepcopy(model))
+    loss, grads, _ = _step(ours, x, target)
+    assert torch.equal(loss, plain[0])
+    assert all(torch.equal(grads[k], plain[1][k]) for k in grads)
+    assert _peak(ours, x, target) < planner.plain_peak
+    # A loaded plan that uses an option needs its policy back.
+    loaded = Plan.from_json(plan.to_json())
+    with pytest.raises(ValueError, match="options"):
+        loaded.apply(copy.deepcopy(model))
+    Plan.from_json(plan.to_json(), options={"matmuls": matmuls}).apply(copy.deepcopy(model))
+
+
+def test_plan_prints_a_table():
+    model, x, target = _model("residual_mlp")
+    text = str(forget.plan(model, x, target, budget=0.5, repeats=1))
+    assert text.splitlines()[0].startswith("forget plan (")
+    assert "forgotten" in text and "kept" in text
+    assert "measured" in text and "predicted" in text
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [
+        (1000, 1000),
+        ("1000", 1000),
+        ("512MiB", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("1.5 KiB", 1536),
+        ("10kb", 10_000),
+        (0.5, 500),
+        ("25%", 250),
+        (1.0, 1000),
+    ],
+)
+def test_budget_strings_and_fractions(budget, expected):
+    assert P.parse_budget(budget, 1000) == expected
+
+
+@pytest.mark.parametrize(
+    ("budget", "error"),
+    [
+        (True, TypeError),
+        ([1], TypeError),
+        (0, ValueError),
+        (-5, ValueError),
+        (1.5, ValueError),
+        (0.0, ValueError),
+        ("12 parsecs", ValueError),
+        ("", ValueError),
+        ("150%", ValueError),
+    ],
+)
+def test_bad_budgets(budget, error):
+    with pytest.raises(error, match="forget: "):
+        P.parse_budget(budget, 1000)
+
+
+def test_fraction_needs_a_reference():
+    with pytest.raises(ValueError, match="plain run's peak"):
+        P.parse_budget(0.5)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((nn.Linear(2, 2), torch.randn(1, 2)), {}, TypeError, "nn.Sequential"),
+        (
+            (nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2), torch.randn(1)),
+            {},
+            TypeError,
+            "one sample",
+        ),
+        (([nn.Linear(2, 2), 3], torch.randn(1, 2)), {}, TypeError, "not callable"),
+        (("model", torch.randn(1, 2)), {}, TypeError, "got str"),
+        (([], torch.randn(1, 2)), {}, ValueError, "at least one block"),
+        (
+            (nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2)),
+            {"loss_fn": 3},
+            TypeError,
+            "callable",
+        ),
+        (
+            (nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2)),
+            {"algorithm": "nope"},
+            ValueError,
+            "valid names",
+        ),
+        (
+            (nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2)),
+            {"repeats": 0},
+            ValueError,
+            "repeats",
+        ),
+    ],
+)
+def test_bad_arguments(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        forget.plan(*args, budget=10**9, **kwargs)
+
+
+def test_runner_checks_the_block_count():
+    net = _sequential()
+    plan = forget.plan(net, torch.randn(8, 32), budget=10**9, repeats=1)
+    with pytest.raises(ValueError, match="for 5 blocks, got 4"):
+        plan.runner(list(net)[:4])
+
+
+def test_plan_module_is_callable_and_still_imports_no_torch():
+    code = "import sys, forget.plan as p; assert callable(p); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert forget.plan.Plan is forget.Plan is Plan
