@@ -151,14 +151,14 @@ def _same(a: Mapping[str, Tensor | None], b: Mapping[str, Tensor | None]) -> lis
 class _Progress:
     """A tqdm bar when tqdm is installed and not ``--quiet``; otherwise nothing."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, desc: str = "forget bench") -> None:
         self._bar: Any = None
         if enabled:
             try:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self._bar = tqdm(total=total, desc="forget bench", unit="step", leave=False)
+            self._bar = tqdm(total=total, desc=desc, unit="step", leave=False)
 
     def update(self, label: str) -> None:
         if self._bar is not None:

@@ -1,0 +1,436 @@
+"""``forget plan``: plan models into memory budgets, measured against uniform segments.
+
+For every model and budget it prints the measured peak of the plan next to the
+budget, and the step-time overhead of the plan next to that of the best uniform
+segmentation (``checkpoint_sequential``'s schedule) whose measured peak fits the
+same budget, timed side by side in one run. ``--pareto PATH`` writes the
+trade-off curves: peak bytes against step-time overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import plan as P
+from ._errors import BudgetInfeasibleError
+from ._planning import Plan, _Items, _Planner, _untouched, _zero_grads
+from .models import MODEL_NAMES, SIZES, BlockModel, build_model
+
+PLOT_HINT = "forget: --pareto needs matplotlib; install it with pip install 'torch-forget[plot]'"
+DEFAULT_BUDGETS = "75%,50%,35%,min"
+_MIB = 1024 * 1024
+
+
+@dataclass
+class BudgetRow:
+    """One budget of one model: the plan and the best fitting uniform segmentation."""
+
+    label: str
+    budget_bytes: int
+    plan: Plan | None = None
+    min_feasible_bytes: int = 0
+    plan_overhead: float = 0.0
+    uniform_segments: int | None = None
+    uniform_peak_bytes: int | None = None
+    uniform_overhead: float | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"budget": self.label, "budget_bytes": self.budget_bytes}
+        if self.plan is None:
+            out["infeasible"] = True
+            out["min_feasible_bytes"] = self.min_feasible_bytes
+            return out
+        out.update(
+            measured_peak_bytes=self.plan.measured_peak_bytes,
+            predicted_peak_bytes=self.plan.predicted_peak_bytes,
+            schedule=_items_text(self.plan.schedule),
+            plan_overhead=self.plan_overhead,
+            predicted_overhead=self.plan.predicted_overhead,
+            uniform_segments=self.uniform_segments,
+            uniform_peak_bytes=self.uniform_peak_bytes,
+            uniform_overhead=self.uniform_overhead,
+        )
+        return out
+
+
+@dataclass
+class ModelResult:
+    """All budgets of one model, and what the Pareto plot needs."""
+
+    name: str
+    plain_peak_bytes: int
+    min_feasible_bytes: int
+    rows: list[BudgetRow]
+    planner: _Planner = field(repr=False)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "plain_peak_bytes": self.plain_peak_bytes,
+            "min_feasible_bytes": self.min_feasible_bytes,
+            "stages": len(self.planner.chain),
+            "budgets": [r.as_json() for r in self.rows],
+        }
+
+
+def _items_text(schedule: P.Schedule) -> str:
+    text = str(schedule)
+    return text.split("] ", 1)[1].split(":", 1)[0] if "] " in text else text
+
+
+# ------------------------------------------------------------------ timing
+
+
+def _time_runners(
+    planner: _Planner,
+    runners: dict[str, Callable[[torch.Tensor], torch.Tensor] | None],
+    repeats: int,
+) -> dict[str, float]:
+    """Median step time per runner, timed round-robin so machine noise hits all alike."""
+    target = planner.target
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    with _untouched(target):
+        for runner in runners.values():  # warm-up
+            _zero_grads(target)
+            target.step(runner)
+        for _ in range(repeats):
+            for name, runner in runners.items():
+                _zero_grads(target)
+                start = time.perf_counter()
+                target.step(runner)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _uniform_schedules(planner: _Planner) -> list[tuple[int, P.Schedule]]:
+    n = len(planner.chain)
+    return [
+        (k, P.Schedule.from_items(planner.chain, P._baselines.uniform_items(n, k)))
+        for k in range(1, n + 1)
+    ]
+
+
+def _plan_budgets(
+    name: str, planner: _Planner, labels: Sequence[str], algorithm: str, repeats: int
+) -> ModelResult:
+    min_feasible = planner.plan(planner.plain_peak, algorithm=algorithm).min_feasible_bytes
+    rows: list[BudgetRow] = []
+    for label in labels:
+        budget = min_feasible if label == "min" else P.parse_budget(label, planner.plain_peak)
+        row = BudgetRow(label, budget, min_feasible_bytes=min_feasible)
+        try:
+            row.plan = planner.plan(budget, algorithm=algorithm)
+        except BudgetInfeasibleError:
+            rows.append(row)
+            continue
+        fitting = [
+            (k, s, planner.trials.peak(s))
+            for k, s in _uniform_schedules(planner)
+            if planner.trials.peak(s) <= budget
+        ]
+        runners: dict[str, Any] = {"plain": None, "plan": row.plan.runner(planner.target.blocks)}
+        for k, s, _ in fitting:
+            runners[f"uniform({k})"] = _Items(s.items, planner.target.blocks, {})
+        medians = _time_runners(planner, runners, repeats)
+        plain = medians["plain"]
+        row.plan_overhead = medians["plan"] / plain - 1
+        if fitting:
+            k, _, peak = min(fitting, key=lambda f: medians[f"uniform({f[0]})"])
+            row.uniform_segments, row.uniform_peak_bytes = k, peak
+            row.uniform_overhead = medians[f"uniform({k})"] / plain - 1
+        rows.append(row)
+    return ModelResult(name, planner.plain_peak, min_feasible, rows, planner)
+
+
+# ------------------------------------------------------------------ output
+
+
+def _mib(n: int) -> str:
+    return f"{n / _MIB:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:+.1f}%"
+
+
+def format_table(results: Sequence[ModelResult]) -> str:
+    """The budgets of every model as one aligned table (MiB, overheads vs plain)."""
+    header = (
+        "model",
+        "budget",
+        "budget MiB",
+        "peak MiB",
+        "peak/budget",
+        "plan overhead",
+        "uniform",
+        "uniform peak MiB",
+        "uniform overhead",
+        "plan/uniform",
+        "schedule",
+    )
+    rows: list[tuple[str, ...]] = []
+    for result in results:
+        for i, row in enumerate(result.rows):
+            first = result.name if i == 0 else ""
+            if row.plan is None:
+                rows.append(
+                    (first, row.label, _mib(row.budget_bytes), "infeasible", "", "", "", "", "", "",
+                     f"min feasible {row.min_feasible_bytes:,} B")
+                )  # fmt: skip
+                continue
+            ratio = ""
+            if row.uniform_overhead is not None and row.uniform_overhead > 0:
+                ratio = f"{row.plan_overhead / row.uniform_overhead:.2f}x"
+            rows.append(
+                (
+                    first,
+                    row.label,
+                    _mib(row.budget_bytes),
+                    _mib(row.plan.measured_peak_bytes),
+                    f"{row.plan.measured_peak_bytes / row.budget_bytes:.3f}",
+                    _pct(row.plan_overhead),
+                    "" if row.uniform_segments is None else f"{row.uniform_segments} seg",
+                    "" if row.uniform_peak_bytes is None else _mib(row.uniform_peak_bytes),
+                    _pct(row.uniform_overhead) or "none fits",
+                    ratio,
+                    _items_text(row.plan.schedule),
+                )
+            )
+    widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        left = {0, 1, 10}
+        return "  ".join(
+            f"{c:<{w}}" if i in left else f"{c:>{w}}"
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
+    """Write a PNG: per model, peak memory against step-time overhead."""
+    from matplotlib.figure import Figure  # lazy: an optional extra
+
+    fig = Figure(figsize=(5.2 * len(results), 4.4), layout="constrained")
+    axes = fig.subplots(1, len(results), squeeze=False)[0]
+    for ax, result in zip(axes, results, strict=True):
+        chain, outside = result.planner.chain, result.planner.outside
+        base = chain.store_all_time_s
+        points = P.pareto(chain)
+        dp = sorted((p for p in points if p.algorithm == "optimal"), key=lambda p: p.peak_bytes)
+        uni = [p for p in points if p.algorithm == "uniform"]
+        ax.plot(
+            [(p.peak_bytes + outside) / _MIB for p in dp],
+            [100 * p.overhead_s / base for p in dp],
+            "o-",
+            markersize=3,
+            label="optimal DP (predicted)",
+        )
+        ax.plot(
+            [(p.peak_bytes + outside) / _MIB for p in uni],
+            [100 * p.overhead_s / base for p in uni],
+            "s",
+            label="uniform segments, k = 1..L (predicted)",
+        )
+        for p in uni:
+            ax.annotate(
+                f"k={p.segments}",
+                ((p.peak_bytes + outside) / _MIB, 100 * p.overhead_s / base),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+        forget_all = P.Schedule.from_items(chain, P._baselines.forget_each_items(len(chain)))
+        ax.plot(
+            [result.plain_peak_bytes / _MIB],
+            [0.0],
+            "k^",
+            markersize=9,
+            label="store-all (plain, measured)",
+        )
+        ax.plot(
+            [result.planner.trials.peak(forget_all) / _MIB],
+            [100 * forget_all.predicted_overhead_s / base],
+            "kv",
+            markersize=9,
+            label="forget-all (measured peak)",
+        )
+        planned = [r for r in result.rows if r.plan is not None]
+        ax.plot(
+            [r.plan.measured_peak_bytes / _MIB for r in planned if r.plan],
+            [100 * r.plan_overhead for r in planned],
+            "r*",
+            markersize=11,
+            label="our plans (measured)",
+        )
+        ax.set_xlabel("peak memory of one step (MiB)")
+        ax.set_ylabel("step-time overhead vs plain (%)")
+        ax.set_title(f"{result.name} ({len(chain)} blocks)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("forget plan: peak memory vs recomputation overhead")
+    fig.savefig(path, dpi=120)
+
+
+# ------------------------------------------------------------------ models
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """Return the callable named by ``module:factory`` (``pkg.models:build``)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"forget: expected a model name ({', '.join(MODEL_NAMES)}) or module:factory, "
+            f"got {spec!r}"
+        )
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"forget: cannot import {module_name!r}: {exc}") from exc
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"forget: {module_name}.{attr} is not a callable factory")
+    return factory  # type: ignore[no-any-return]
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Parse ``--input-shape 64,512`` (commas or x) into a tuple of positive ints."""
+    try:
+        shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+    except ValueError:
+        shape = ()
+    if not shape or any(s <= 0 for s in shape):
+        raise ValueError(f"forget: --input-shape takes positive sizes like 64,512, got {text!r}")
+    return shape
+
+
+def model_and_inputs(
+    spec: str, size: str, seed: int, input_shape: str | None
+) -> tuple[str, Any, tuple[Any, ...]]:
+    """Build a reference model by name, or a user's ``module:factory``, and sample inputs."""
+    if spec in MODEL_NAMES:
+        model: Any = build_model(spec, size, seed=seed)
+    else:
+        factory = load_factory(spec)
+        torch.manual_seed(seed)
+        try:
+            model = factory()
+        except Exception as exc:  # a user's factory: report it as a usage error
+            raise ValueError(f"forget: {spec}() raised {type(exc).__name__}: {exc}") from exc
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(model, BlockModel):
+        return spec, model, model.example_input(generator=generator)
+    if input_shape is None:
+        raise ValueError(
+            f"forget: {spec} is not a reference model; give its input with --input-shape N,D"
+        )
+    return spec, model, (torch.randn(parse_shape(input_shape), generator=generator),)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="forget plan",
+        description=(
+            "Plan models into memory budgets with the optimal schedule; print measured peak "
+            "vs budget and the step-time overhead vs the best uniform segmentation that fits."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default="all",
+        help=f"'all', one of {', '.join(MODEL_NAMES)}, or module:factory (default all)",
+    )
+    p.add_argument("--size", choices=SIZES, default="quick", help="reference sizes (quick)")
+    p.add_argument("--input-shape", help="input shape for a module:factory model, e.g. 64,512")
+    p.add_argument(
+        "--budgets",
+        default=DEFAULT_BUDGETS,
+        help=f"comma-separated: shares, sizes or 'min' (default {DEFAULT_BUDGETS})",
+    )
+    p.add_argument("--algorithm", default="optimal", help="planner name (default optimal)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of models and inputs (default 0)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--pareto", type=Path, metavar="PATH", help="write a Pareto PNG")
+    p.add_argument("--show", action="store_true", help="also print each plan's stage table")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``forget plan``; return the exit status (0 ok, 2 usage)."""
+    try:
+        args = _parser().parse_args(list(argv))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    specs = list(MODEL_NAMES) if args.model == "all" else [args.model]
+    labels = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    try:
+        P.get_algorithm(args.algorithm)
+        if args.repeats < 1:
+            raise ValueError(f"forget: --repeats must be at least 1, got {args.repeats}")
+        for label in labels:
+            if label != "min":
+                P.parse_budget(label, 1 << 40)
+        if not labels:
+            raise ValueError("forget: --budgets is empty")
+        if args.pareto is not None:
+            try:
+                import matplotlib  # noqa: F401  (fail before the run, not after it)
+            except ImportError:
+                raise ValueError(PLOT_HINT) from None
+        built = [model_and_inputs(s, args.size, args.seed, args.input_shape) for s in specs]
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    from ._bench import _Progress
+
+    progress = _Progress(len(built), enabled=not args.quiet, desc="forget plan")
+    results = []
+    try:
+        for name, model, inputs in built:
+            planner = _Planner(model, inputs, repeats=args.repeats)
+            results.append(_plan_budgets(name, planner, labels, args.algorithm, args.repeats))
+            progress.update(name)
+    finally:
+        progress.close()
+    if not args.quiet:
+        print(
+            f"forget plan ({args.algorithm}): {args.size} sizes, median of {args.repeats} "
+            f"steps per schedule, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        )
+    print(format_table(results))
+    if args.show:
+        for result in results:
+            for row in result.rows:
+                if row.plan is not None:
+                    print(f"\n{result.name} @ {row.label}:\n{row.plan}")
+    if not args.quiet:
+        print(
+            "peak: exact storage bytes of one training step (forget.measure), always <= "
+            "budget; overheads: measured step time vs plain, side by side; uniform: the "
+            "fastest checkpoint_sequential-style segmentation whose peak fits the budget."
+        )
+    if args.json is not None:
+        payload = {"models": {r.name: r.as_json() for r in results}}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.pareto is not None:
+        write_pareto(results, args.pareto)
+    return 0

@@ -1,0 +1,85 @@
+"""``forget plan`` from the command line: table, JSON, Pareto PNG, user factories, errors."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from forget import _plan_cli
+from forget.cli import main as cli_main
+
+HEADER = (
+    "model         budget  budget MiB  peak MiB  peak/budget  plan overhead  uniform  "
+    "uniform peak MiB  uniform overhead  plan/uniform  schedule"
+)
+
+
+def test_plan_reference_model_json_and_pareto(tmp_path, capsys):
+    out_json, png = tmp_path / "plan.json", tmp_path / "pareto.png"
+    argv = ["plan", "--model", "tiny_gpt", "--size", "tiny", "--budgets", "90%,min"]
+    argv += ["--repeats", "1", "--quiet", "--json", str(out_json), "--pareto", str(png)]
+    assert cli_main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == HEADER.split()
+    assert set(lines[1]) <= {"-", " "}
+    assert lines[2].split()[:2] == ["tiny_gpt", "90%"]
+    assert lines[3].split()[0] == "min"
+    model = json.loads(out_json.read_text())["models"]["tiny_gpt"]
+    assert model["stages"] == 2
+    for row in model["budgets"]:
+        if not row.get("infeasible"):
+            assert row["measured_peak_bytes"] <= row["budget_bytes"]
+    least = model["budgets"][-1]
+    assert least["budget_bytes"] == least["measured_peak_bytes"] == model["min_feasible_bytes"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_user_factory_with_input_shape(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_models.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def build():
+                layer = lambda: torch.nn.Sequential(
+                    torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)
+                )
+                return torch.nn.Sequential(*[layer() for _ in range(4)])
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", "my_models:build", "--input-shape", "128,16", "--budgets", "min"]
+    assert _plan_cli.main([*argv, "--repeats", "1", "--quiet", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "my_models:build  min" in out
+    assert ": 4 stages, budget" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "nope"], "module:factory"),
+        (["--model", "no_such_module_xyz:f", "--input-shape", "2,2"], "cannot import"),
+        (["--model", "forget.models:MODEL_NAMES", "--input-shape", "2"], "not a callable"),
+        (["--model", "torch.nn:Identity"], "--input-shape"),
+        (["--model", "forget.nn:ForgetSequential", "--input-shape", "2"], "raised TypeError"),
+        (["--model", "residual_mlp", "--budgets", "12 parsecs"], "cannot read the budget"),
+        (["--model", "residual_mlp", "--budgets", ","], "--budgets is empty"),
+        (["--model", "residual_mlp", "--algorithm", "magic"], "valid names"),
+        (["--model", "residual_mlp", "--repeats", "0"], "--repeats"),
+    ],
+)
+def test_plan_usage_errors(argv, message, capsys):
+    assert _plan_cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_shape():
+    assert _plan_cli.parse_shape("64,512") == (64, 512)
+    assert _plan_cli.parse_shape("8x3x32x32") == (8, 3, 32, 32)
+    for bad in ("", "a,b", "0,4", "-1"):
+        with pytest.raises(ValueError, match="--input-shape"):
+            _plan_cli.parse_shape(bad)
