@@ -27,7 +27,7 @@ def tiny_run(tmp_path_factory):
 def test_json_schema_is_exact(tiny_run):
     status, data = tiny_run
     assert status == 0
-    assert set(data) == {"models", "meta"}
+    assert set(data) == {"models", "meta", "selective"}
     assert list(data["models"]) == list(MODEL_NAMES)
     for name, per in data["models"].items():
         assert list(per) == VARIANTS, name
@@ -38,6 +38,18 @@ def test_json_schema_is_exact(tiny_run):
             assert type(row["step_s"]) is float
             assert row["peak_bytes"] >= row["saved_bytes"] >= 0
             assert row["step_s"] > 0
+
+
+def test_selective_rows_on_the_gpt_blocks(tiny_run):
+    _, data = tiny_run
+    rows = data["selective"]
+    assert list(rows) == ["plain", "forget_all", "selective", "offload"]
+    assert all(row["loss_equal_to_plain"] for row in rows.values())
+    saved = {v: row["saved_bytes"] for v, row in rows.items()}
+    # Keeping matmul and attention outputs sits between keeping all and keeping none;
+    # on CPU offload is a no-op and keeps what selective keeps.
+    assert saved["forget_all"] < saved["selective"] < saved["plain"]
+    assert saved["offload"] == saved["selective"]
 
 
 def test_checkpointed_variants_peak_no_higher_than_plain(tiny_run):
@@ -76,7 +88,6 @@ def test_quick_run_of_one_model_prints_a_table(tmp_path, capsys):
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     path = tmp_path / "bench.png"
     assert _bench.main([*TINY, "--models", "residual_mlp,small_cnn", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -385,6 +385,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of models and inputs (default 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG bar chart")
+    p.add_argument(
+        "--no-selective",
+        action="store_true",
+        help="skip the selective-recomputation rows on the TinyGPT blocks",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
     return p
 
@@ -442,8 +447,19 @@ def main(argv: Sequence[str]) -> int:
             "bytes: exact tensor storages allocated by the step (forget.measure); "
             "ratios < 1 are better; buffers: module buffers after the run vs plain."
         )
+    payload = result.as_json()
+    if "tiny_gpt" in names and not args.no_selective:
+        from . import _bench_selective
+
+        selective = _bench_selective.run(size=size, repeats=args.repeats, seed=args.seed)
+        payload["selective"] = selective
+        print()
+        print(_bench_selective.format_rows(selective))
+        bad = [v for v, row in selective.items() if not row["loss_equal_to_plain"]]
+        if bad:
+            result.problems.append(f"selective: loss differs from plain in {', '.join(bad)}")
     if args.json is not None:
-        args.json.write_text(json.dumps(result.as_json(), indent=2) + "\n")
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
     if args.plot is not None:
         write_plot(result, args.plot)
     if result.problems:
