@@ -1,0 +1,210 @@
+"""``forget profile MODEL``: the memory ledger of a user's model, a plan, a memory timeline.
+
+MODEL is ``module:factory`` (a callable returning an ``nn.Sequential``, a list of
+blocks or a reference model) or a reference model's name. The command prints
+the plain step's exact figures, what each block keeps for backward, the plan
+for ``--budget``, and with ``--timeline PATH`` writes a PNG of live bytes over
+one training step, op by op, plain and planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import plan as P
+from ._errors import BudgetInfeasibleError
+from ._measure import _Ledger, _watch
+from ._plan_cli import PLOT_HINT, model_and_inputs
+from ._planning import Plan, _Planner, _untouched, _zero_grads
+from .models import SIZES
+
+_MIB = 1024 * 1024
+
+
+class _TimelineLedger(_Ledger):
+    """The ledger, sampling the live total after every op: (live bytes, in backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: list[tuple[int, bool]] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.samples.append((self.live, torch._C._current_graph_task_id() != -1))
+        return out
+
+
+def timeline(
+    planner: _Planner, runner: Callable[[torch.Tensor], torch.Tensor] | None
+) -> list[tuple[int, bool]]:
+    """Live bytes after each op of one training step, and whether backward ran it."""
+    target = planner.target
+    ledger = _TimelineLedger()
+    with _untouched(target):
+        _zero_grads(target)
+        try:
+            with _watch(ledger):
+                target.step(runner)
+        finally:
+            ledger.close()
+    return ledger.samples
+
+
+def format_ledger(planner: _Planner) -> str:
+    """Per block: what it reads, writes and keeps for backward, and its times."""
+    lines = [
+        f"{'block':<16}{'input B':>12}{'output B':>12}{'kept B':>12}{'fwd tmp B':>12}"
+        f"{'bwd tmp B':>12}{'fwd ms':>9}{'bwd ms':>9}",
+    ]
+    for s in planner.chain.stages:
+        lines.append(
+            f"{s.name:<16}{s.input_bytes:>12,}{s.output_bytes:>12,}{s.saved_bytes:>12,}"
+            f"{s.forward_overhead_bytes:>12,}{s.backward_overhead_bytes:>12,}"
+            f"{s.forward_s * 1e3:>9.3f}{s.backward_s * 1e3:>9.3f}"
+        )
+    return "\n".join(lines)
+
+
+def write_timeline(
+    path: Path,
+    name: str,
+    plain: Sequence[tuple[int, bool]],
+    planned: Sequence[tuple[int, bool]],
+    plan: Plan | None,
+) -> None:
+    """Write the PNG: live MiB over the ops of one step, plain and planned."""
+    from matplotlib.figure import Figure  # lazy: an optional extra
+
+    fig = Figure(figsize=(10, 4.8), layout="constrained")
+    ax = fig.subplots()
+    for samples, label, color in (
+        (plain, "plain", "tab:blue"),
+        (planned, "planned (forget)", "tab:red"),
+    ):
+        if not samples:
+            continue
+        xs = [100 * i / max(len(samples) - 1, 1) for i in range(len(samples))]
+        ys = [live / _MIB for live, _ in samples]
+        peak = max(ys)
+        ax.plot(xs, ys, color=color, linewidth=1.4, label=f"{label}: peak {peak:.2f} MiB")
+        start = next((x for x, (_, bwd) in zip(xs, samples, strict=True) if bwd), None)
+        if start is not None:
+            ax.axvline(start, color=color, linestyle=":", linewidth=1)
+            ax.annotate(
+                "backward starts",
+                (start, peak),
+                color=color,
+                fontsize=8,
+                xytext=(4, -12),
+                textcoords="offset points",
+            )
+    if plan is not None:
+        ax.axhline(
+            plan.budget_bytes / _MIB,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"budget {plan.budget_bytes / _MIB:.2f} MiB",
+        )
+    ax.set_xlabel("progress through one training step (% of its ops: forward, then backward)")
+    ax.set_ylabel("live tensor memory (MiB, exact storage bytes)")
+    ax.set_title(f"forget profile: {name}, memory over one step")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.savefig(path, dpi=120)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="forget profile",
+        description=(
+            "Print the exact memory ledger of one training step of a model, per block, "
+            "and a plan for a budget; optionally draw live memory over the step."
+        ),
+    )
+    p.add_argument("model", help="module:factory, or a reference model name")
+    p.add_argument("--input-shape", help="the input's shape for module:factory, e.g. 64,512")
+    p.add_argument("--size", choices=SIZES, default="quick", help="reference model size")
+    p.add_argument("--budget", default="50%", help="budget for the plan (default 50%%)")
+    p.add_argument("--repeats", type=int, default=3, help="timing repeats (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+    p.add_argument("--timeline", type=Path, metavar="PATH", help="write a memory-timeline PNG")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``forget profile``; return the exit status (0 ok, 2 usage or infeasible)."""
+    try:
+        args = _parser().parse_args(list(argv))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        if args.repeats < 1:
+            raise ValueError(f"forget: --repeats must be at least 1, got {args.repeats}")
+        P.parse_budget(args.budget, 1 << 40)
+        if args.timeline is not None:
+            try:
+                import matplotlib  # noqa: F401  (fail before the run, not after it)
+            except ImportError:
+                raise ValueError(PLOT_HINT.replace("--pareto", "--timeline")) from None
+        name, model, inputs = model_and_inputs(args.model, args.size, args.seed, args.input_shape)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    from ._bench import _Progress
+
+    progress = _Progress(3, enabled=not args.quiet, desc="forget profile")
+    try:
+        planner = _Planner(model, inputs, repeats=args.repeats)
+        progress.update("profiled")
+        try:
+            plan: Plan | None = planner.plan(args.budget)
+        except BudgetInfeasibleError as exc:
+            plan, infeasible = None, exc
+        progress.update("planned")
+        plain_line = timeline(planner, None)
+        planned_line = [] if plan is None else timeline(planner, plan.runner(planner.target.blocks))
+        progress.update("timeline")
+    finally:
+        progress.close()
+    print(f"forget profile: {name}, {len(planner.chain)} blocks, torch {torch.__version__}")
+    print(
+        f"plain step: peak {planner.plain_peak:,} B ({planner.plain_peak / _MIB:.3f} MiB); "
+        f"outside the blocks' model: {planner.outside:,} B"
+    )
+    print(format_ledger(planner))
+    print()
+    if plan is None:
+        print(str(infeasible), file=sys.stderr)
+    else:
+        print(plan)
+    if args.json is not None:
+        payload = {
+            "model": name,
+            "plain_peak_bytes": planner.plain_peak,
+            "stages": [
+                {"name": s.name, "input_bytes": s.input_bytes, "saved_bytes": s.saved_bytes}
+                for s in planner.chain.stages
+            ],
+            "plan": None if plan is None else plan.to_dict(),
+            "timeline": {
+                "plain": [live for live, _ in plain_line],
+                "planned": [live for live, _ in planned_line],
+            },
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.timeline is not None:
+        write_timeline(args.timeline, name, plain_line, planned_line, plan)
+    return 0 if plan is not None else 2
