@@ -13,7 +13,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ._core import run_region
+import torch
+
+from ._core import compiled_region, run_region
 from .policies import Policy, as_policy
 
 __all__ = ["checkpoint"]
@@ -88,6 +90,15 @@ def checkpoint(
             "all work). Pass use_reentrant=False to silence this warning.",
             UserWarning,
             stacklevel=2,
+        )
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # NOTE [compile] in _core
+        return compiled_region(
+            function,
+            args,
+            kwargs,
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            context_fn=context_fn,
         )
     options: dict[str, Any] = {
         "preserve_rng_state": preserve_rng_state,

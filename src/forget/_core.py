@@ -446,6 +446,8 @@ def run_region(
     """
     if not torch.is_grad_enabled():
         return func(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        return compiled_region(func, args, kwargs, preserve_rng_state=preserve_rng_state)
     region = Region(
         func,
         args,
@@ -456,6 +458,39 @@ def run_region(
         policy=policy,
     )
     return region.run_forward()
+
+
+def compiled_region(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    context_fn: Callable[[], tuple[Any, Any]] | None = None,
+) -> Any:
+    """Run a region that ``torch.compile`` is tracing: as torch's non-reentrant checkpoint.
+
+    NOTE [compile]: dynamo cannot trace forget's engine (saved-tensor hooks whose
+    pack returns Python objects, a TorchDispatchMode, RNG state capture), so while
+    ``torch.compiler.is_compiling()`` a region is handed to
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which dynamo turns
+    into a recomputed subgraph. Lost there (docs/compile.md): policies (everything
+    is recomputed), the restoring of mutated buffers (BatchNorm running statistics)
+    and ``forget.in_recomputing()``. Eager runs never come here.
+    """
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
+    return torch_checkpoint(
+        func,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        **extra,
+        **kwargs,
+    )
 
 
 def _as_input(x: Any, position: int) -> Any:
