@@ -186,3 +186,75 @@ def test_eval_mode_batchnorm_is_untouched():
     x = torch.randn(4, 3, requires_grad=True)
     forget.forget(bn, x).exp().sum().backward()
     assert all(torch.equal(before[k], v) for k, v in bn.state_dict().items())
+
+
+# NOTE [write-only state]: counters updated in place and read by nothing else cost no copy.
+
+
+class _Counting(nn.Module):
+    """A layer whose buffers are updated in the ways NOTE [write-only state] sorts out."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("noise", torch.zeros(4))
+        self.register_buffer("last", torch.zeros(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.mode == "write_only":
+            self.count.add_(1)
+        elif self.mode == "read_before_write":
+            h = h + self.count  # add saves nothing: only the re-run's tanh output shows it
+            self.count.add_(1)
+        elif self.mode == "seeded":
+            self.noise.bernoulli_(0.5)  # an update that draws random numbers
+        elif self.mode == "out":
+            torch.mul(h.detach(), 2.0, out=self.last)
+        return torch.nn.functional.dropout(h.tanh(), 0.3)
+
+
+@pytest.mark.parametrize("mode", ["write_only", "read_before_write", "seeded", "out"])
+def test_buffers_updated_in_place_match_plain(mode):
+    torch.manual_seed(0)
+    plain = _Counting(mode)
+    ours = copy.deepcopy(plain)
+    x = torch.randn(3, 4)
+    for step in range(3):
+        torch.manual_seed(step)
+        plain(x).sum().backward()
+        torch.manual_seed(step)
+        forget.forget(ours, x).sum().backward()
+        assert _equal_state(plain, ours) and _equal_grads(plain, ours)
+    assert int(ours.count) == (3 if mode in ("write_only", "read_before_write") else 0)
+
+
+def test_write_only_counters_cost_no_byte_over_torch_checkpoint():
+    # Four BatchNorms: their num_batches_tracked copies were 32 bytes of peak.
+    torch.manual_seed(0)
+    blocks = [
+        nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU()) for _ in range(4)
+    ]
+    x = torch.randn(2, 3, 5, 5)
+
+    def step(run):
+        def go():
+            for b in blocks:
+                b.zero_grad(set_to_none=True)
+            h = x
+            for b in blocks:
+                h = run(b, h)
+            h.sum().backward()
+
+        return go
+
+    ours = forget.measure(step(forget.forget))
+    theirs = forget.measure(
+        step(lambda b, h: torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False))
+    )
+    assert ours.peak_bytes == theirs.peak_bytes
+    assert ours.saved_bytes == theirs.saved_bytes
+    # torch updates the counters twice; forget once, like a plain step
+    assert [int(b[1].num_batches_tracked) for b in blocks] == [3, 3, 3, 3]  # 1 + 2

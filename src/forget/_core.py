@@ -183,6 +183,7 @@ class Region:
         self._live: dict[int, weakref.ref[_Slot]] = {}
         self._rebuilt: dict[int, torch.Tensor] = {}
         self._pre_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._write_only: list[torch.Tensor] = []
         self.recomputations = 0
 
     # -- forward -------------------------------------------------------------
@@ -247,6 +248,7 @@ class Region:
             self._rng = rng
         self._kept_ops = _offload_kept(tracker.kept)
         # Values before the forward's first write, so the re-run starts where it did.
+        self._write_only = tracker.split_write_only()  # NOTE [write-only state]
         self._pre_forward = tracker.snapshots
         self._versions = [flat[i]._version for i in self._tensor_pos]
         return out
@@ -274,7 +276,9 @@ class Region:
         # NOTE [policy replay]: kept op outputs stand in for their ops, except under
         # create_graph, where the ops run again so their outputs carry history.
         tracker = StateTracker(
-            replay=None if keep_graph else _fetch_kept(self._kept_ops), recomputing=True
+            replay=None if keep_graph else _fetch_kept(self._kept_ops),
+            recomputing=True,
+            skip=self._write_only,
         )
 
         # The re-run's graph holds this hook (in C++, out of the garbage collector's

@@ -15,6 +15,17 @@ shares storage but not the version counter, so restoring is invisible to
 autograd's in-place checks. This is general: it knows nothing of BatchNorm.
 The same mode notes whether any op drew random numbers, so the RNG state is
 kept only for regions that need it.
+
+NOTE [write-only state]: a counter such as BatchNorm's ``num_batches_tracked``
+is only ever updated in place (``add_``), never read by another op of the
+region. The re-run needs neither its pre-forward value nor its own update:
+we skip such updates in the recomputation (the value the forward left is
+already in place) and keep no copy of it. So a region costs no byte more
+than torch's checkpoint, which updates it twice. The forward notes, for every
+op, which external storages it reads (a read before the first write counts:
+``y = x * counter; counter.add_(1)`` keeps its copy); a tensor written only
+by non-random ops whose every result is the written tensor itself, one
+tensor per op, and read by nothing else, is write-only.
 """
 
 from __future__ import annotations
@@ -95,6 +106,35 @@ def _written_args(op: Any) -> tuple[tuple[int, str], ...]:
 
 
 _FRESH: dict[Any, bool] = {}
+_RESULTS: dict[Any, tuple[int, ...] | None] = {}
+
+
+def _update_results(op: Any) -> tuple[int, ...] | None:
+    """For an op whose every result is one of its written arguments, their positions.
+
+    ``add_`` returns its ``self``: (0,). ``None`` when some result is new memory
+    or a view, or the op draws random numbers; the op is then no pure update.
+    """
+    if op in _RESULTS:
+        return _RESULTS[op]
+    schema = op._schema
+    written = {
+        frozenset(a.alias_info.before_set): i
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    }
+    positions: tuple[int, ...] | None = ()
+    for r in schema.returns:
+        info = r.alias_info
+        if info is None or not info.is_write or frozenset(info.before_set) not in written:
+            positions = None
+            break
+        assert positions is not None
+        positions = (*positions, written[frozenset(info.before_set)])
+    if _is_seeded(op):
+        positions = None
+    _RESULTS[op] = positions
+    return positions
 
 
 def _returns_fresh(op: Any) -> bool:
@@ -170,6 +210,7 @@ class StateTracker(TorchDispatchMode):
 
     Attributes:
         snapshots: (tensor, value before its first write) in order of first write.
+            `split_write_only` takes the write-only ones out at the end of a forward.
         used_rng: True when an op tagged ``nondeterministic_seeded`` ran.
         kept: op position -> (op name, outputs, action) of policy-kept outputs.
         kept_storages: storage key -> action, for the pack hook to look up.
@@ -180,9 +221,14 @@ class StateTracker(TorchDispatchMode):
         decide: Decide | None = None,
         replay: dict[int, tuple[str, Any, Any]] | None = None,
         recomputing: bool = False,
+        skip: list[torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self._recomputing = recomputing
+        # NOTE [write-only state]: storages whose pure updates the re-run skips.
+        self._skip_tensors = skip or []
+        self._skip = {_storage_key(t) for t in self._skip_tensors}
+        self._reads: set[tuple[torch.device, int]] = set()
         self._decide = decide
         self._replay = replay
         self.kept: dict[int, tuple[str, Any, Any]] = {}
@@ -232,10 +278,26 @@ class StateTracker(TorchDispatchMode):
                 func, args = _without_stats(func, args)
             written = tuple((i, name) for i, name in written if i not in (3, 4))
         if written:
-            for i, name in written:
-                value = args[i] if i < len(args) else kwargs.get(name)
-                for t in _tensors(value):
-                    self._note_write(t)
+            targets = [
+                t
+                for i, name in written
+                for t in _tensors(args[i] if i < len(args) else kwargs.get(name))
+            ]
+            pure = len(targets) == 1 and _update_results(func) is not None
+            if pure and self._skip and _storage_key(targets[0]) in self._skip:
+                # NOTE [write-only state]: the forward's update is already in place.
+                results = _update_results(func) or ()
+                if len(results) == 1:
+                    return targets[0]
+                return tuple(targets[0] for _ in results) if results else None
+            if not self._recomputing:
+                self._note_reads(args, kwargs, written if pure else ())
+                if not pure:
+                    self._reads.update(_storage_key(t) for t in targets)
+            for t in targets:
+                self._note_write(t)
+        elif not self._recomputing:
+            self._note_reads(args, kwargs, ())
         out = func(*args, **kwargs)
         if _returns_fresh(func):
             tensors = _tensors(out)
@@ -245,6 +307,38 @@ class StateTracker(TorchDispatchMode):
             if self._decide is not None and tensors and not _is_seeded(func):
                 self._keep(position, func, out, tensors)
         return out
+
+    def _note_reads(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], updated: tuple[tuple[int, str], ...]
+    ) -> None:
+        """Note the external storages an op reads; a pure update's target is not read."""
+        skip_pos = {i for i, _ in updated}
+        skip_names = {name for _, name in updated}
+        created, reads = self._created, self._reads
+        for i, value in enumerate(args):
+            if i not in skip_pos:
+                for t in _tensors(value):
+                    key = _storage_key(t)
+                    if key not in created:
+                        reads.add(key)
+        for name, value in kwargs.items():
+            if name not in skip_names:
+                for t in _tensors(value):
+                    key = _storage_key(t)
+                    if key not in created:
+                        reads.add(key)
+
+    def split_write_only(self) -> list[torch.Tensor]:
+        """Drop the snapshots of write-only tensors and return those tensors.
+
+        NOTE [write-only state]. Call once, after the forward.
+        """
+        write_only = [t for t, _ in self.snapshots if _storage_key(t) not in self._reads]
+        if write_only:
+            keys = {_storage_key(t) for t in write_only}
+            self.snapshots = [(t, v) for t, v in self.snapshots if _storage_key(t) not in keys]
+        self._reads = set()
+        return write_only
 
     def _keep(self, position: int, func: Any, out: Any, tensors: list[torch.Tensor]) -> None:
         assert self._decide is not None
