@@ -62,6 +62,16 @@ def test_checkpointed_variants_peak_no_higher_than_plain(tiny_run):
             assert per[variant]["saved_bytes"] < plain["saved_bytes"], (name, variant)
 
 
+def test_forget_peaks_no_higher_than_torch_checkpoint(tiny_run):
+    # Issue 3's promise, to the byte, on every reference model (small_cnn's BatchNorm
+    # counters included: NOTE [write-only state]).
+    _, data = tiny_run
+    for name, per in data["models"].items():
+        ours, theirs = per["forget"], per["torch_checkpoint"]
+        assert ours["peak_bytes"] <= theirs["peak_bytes"], name
+        assert ours["saved_bytes"] <= theirs["saved_bytes"], name
+
+
 def test_meta_records_the_run_and_buffer_check(tiny_run):
     _, data = tiny_run
     meta = data["meta"]
