@@ -152,10 +152,21 @@ def test_mismatch_is_reported_loudly(monkeypatch, capsys):
     assert "residual_mlp: forget loss" in err
 
 
-def test_runs_without_tqdm(monkeypatch, capsys):
+def test_runs_without_tqdm_and_says_once_how_to_get_bars(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    assert _bench.main(["--size", "tiny", "--repeats", "1", "--models", "gpt"]) == 0
-    assert "tiny_gpt" in capsys.readouterr().out
+    monkeypatch.setattr(_bench, "_noted_no_tqdm", False)
+    for _ in range(2):
+        assert _bench.main(["--size", "tiny", "--repeats", "1", "--models", "gpt"]) == 0
+    out, err = capsys.readouterr()
+    assert "tiny_gpt" in out
+    assert err.count("pip install 'torch-forget[cli]'") == 1
+
+
+def test_quiet_without_tqdm_says_nothing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setattr(_bench, "_noted_no_tqdm", False)
+    assert _bench.main(["--size", "tiny", "--repeats", "1", "--models", "gpt", "--quiet"]) == 0
+    assert "torch-forget[cli]" not in capsys.readouterr().err
 
 
 def test_cli_routes_bench(capsys):

@@ -148,15 +148,29 @@ def _same(a: Mapping[str, Tensor | None], b: Mapping[str, Tensor | None]) -> lis
     return bad
 
 
+_NO_TQDM_NOTE = (
+    "forget: no progress bars: tqdm is not installed; "
+    "pip install 'torch-forget[cli]' adds them (--quiet hides this note)."
+)
+_noted_no_tqdm = False
+
+
 class _Progress:
-    """A tqdm bar when tqdm is installed and not ``--quiet``; otherwise nothing."""
+    """A tqdm bar when tqdm is installed and not ``--quiet``; otherwise nothing.
+
+    Without tqdm the first bar of the process says once, on stderr, how to get one.
+    """
 
     def __init__(self, total: int, enabled: bool, desc: str = "forget bench") -> None:
+        global _noted_no_tqdm
         self._bar: Any = None
         if enabled:
             try:
                 from tqdm import tqdm
             except ImportError:
+                if not _noted_no_tqdm:
+                    _noted_no_tqdm = True
+                    print(_NO_TQDM_NOTE, file=sys.stderr)
                 return
             self._bar = tqdm(total=total, desc=desc, unit="step", leave=False)
 

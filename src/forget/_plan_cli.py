@@ -362,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budgets",
         default=DEFAULT_BUDGETS,
-        help=f"comma-separated: shares, sizes or 'min' (default {DEFAULT_BUDGETS})",
+        help="comma-separated: shares, sizes or 'min' (default %(default)s)",
     )
     p.add_argument("--algorithm", default="optimal", help="planner name (default optimal)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (default 5)")
