@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from . import models as models
     from . import plan as plan
     from . import policies as policies
+    from ._apply import apply_forget as apply_forget
     from ._checkpoint import checkpoint as checkpoint
     from ._core import forget as forget
     from ._measure import MemoryReport as MemoryReport
@@ -49,6 +50,7 @@ _LAZY: dict[str, str] = {
     "SavedReport": "._measure",
     "Plan": "._planning",
     "profile_chain": "._planning",
+    "apply_forget": "._apply",
 }
 
 # Public submodules, imported on first access; ``plan`` and ``policies`` import no torch.
@@ -64,6 +66,7 @@ __all__ = [
     "RecomputationMismatchError",
     "SavedReport",
     "__version__",
+    "apply_forget",
     "checkpoint",
     "forget",
     "forget_sequential",
