@@ -50,6 +50,33 @@ def test_readme_python_examples_run():
         exec(compile(block, str(README), "exec"), {})
 
 
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+def test_every_feature_has_a_page():
+    names = {path.stem for path in DOCS}
+    assert {
+        "measure",
+        "policies",
+        "plan",
+        "cli",
+        "transformers",
+        "compile",
+        "distributed",
+    } <= names
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[path.name for path in DOCS])
+def test_docs_python_examples_run(page, monkeypatch, tmp_path):
+    # One namespace per page, blocks in order: a page's examples build on each other.
+    blocks = _python_blocks(page.read_text())
+    assert blocks, f"{page.name} has no python example"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
+    for block in blocks:
+        exec(compile(block, str(page), "exec"), namespace)
+
+
 def test_readme_names_the_ci_command():
     ci = (README.parent / ".ci" / "run").read_text()
     assert "./dev test" in ci

@@ -120,7 +120,7 @@ def write_timeline(
     ax.set_title(f"forget profile: {name}, memory over one step")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper right")
     fig.savefig(path, dpi=120)
 
 
@@ -182,7 +182,8 @@ def main(argv: Sequence[str]) -> int:
     print(f"forget profile: {name}, {len(planner.chain)} blocks, torch {torch.__version__}")
     print(
         f"plain step: peak {planner.plain_peak:,} B ({planner.plain_peak / _MIB:.3f} MiB); "
-        f"outside the blocks' model: {planner.outside:,} B"
+        f"measured minus the block model's prediction: {planner.outside:+,} B "
+        "(stem, head, loss and gradients; added to every predicted peak)"
     )
     print(format_ledger(planner))
     print()
