@@ -152,6 +152,49 @@ def test_ledger_shows_exactly_the_saved_matmul_outputs():
     assert selective - nothing == (64 * 256 + 64 * 32) * 4
 
 
+def test_kept_output_nothing_reads_is_not_kept():
+    # NOTE [unneeded kept outputs]: lin2's output leaves the region, and neither backward
+    # nor any re-run op reads it, so only lin1's is kept; the re-run replays a blank for
+    # lin2 and runs no addmm, and gradients stay exact.
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(32, 256), nn.Linear(256, 32)
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def f(a):
+        return lin2(torch.tanh(lin1(a)))
+
+    def kept(policy):
+        # The graph stays alive through its grad_fn, the output does not.
+        return forget.measure(lambda: forget.checkpoint(f, x, policy=policy).grad_fn).end_bytes
+
+    assert kept(P.save_outputs_of("addmm")) - kept(None) == 64 * 256 * 4
+    f(x).square().sum().backward()
+    plain = [t.grad.clone() for t in (x, *lin1.parameters(), *lin2.parameters())]
+    for t in (x, *lin1.parameters(), *lin2.parameters()):
+        t.grad = None
+    y = forget.checkpoint(f, x, policy=P.save_outputs_of("addmm"))
+    log = OpLog()
+    with log:
+        y.square().sum().backward()
+    assert "aten.addmm" not in log.names and "aten.tanh" in log.names
+    ours = [t.grad for t in (x, *lin1.parameters(), *lin2.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+
+
+def test_save_everything_keeps_less_than_it_runs():
+    # Of a chain of elementwise ops each saving its input, the last output is read by
+    # nothing: under save_everything it is not kept.
+    x = torch.randn(1000, requires_grad=True)
+
+    def f(a):
+        return a.exp().sin().cos()
+
+    def kept(policy):
+        return forget.measure(lambda: forget.checkpoint(f, x, policy=policy).grad_fn).end_bytes
+
+    assert kept(True) - kept(None) == 2 * 4000  # exp's and sin's outputs, not cos's
+
+
 def test_attention_output_saved_by_policy_matches_plain():
     torch.manual_seed(0)
     proj = nn.Linear(8, 24)

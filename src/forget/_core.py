@@ -192,7 +192,10 @@ class Region:
         self._meta.append(_meta(t))
         action = None
         if self._tracker is not None and self._tracker.kept_storages:
-            action = self._tracker.kept_storages.get((t.device, t.untyped_storage().data_ptr()))
+            key = (t.device, t.untyped_storage().data_ptr())
+            action = self._tracker.kept_storages.get(key)
+            if action is not None:
+                self._tracker.packed.add(key)  # NOTE [unneeded kept outputs]
         slot: _Slot
         if action is None and _external(t):
             with hidden():
@@ -246,6 +249,7 @@ class Region:
             self._tracker = None
         if tracker.used_rng:
             self._rng = rng
+        tracker.drop_unneeded_kept()
         self._kept_ops = _offload_kept(tracker.kept)
         # Values before the forward's first write, so the re-run starts where it did.
         self._write_only = tracker.split_write_only()  # NOTE [write-only state]

@@ -233,6 +233,12 @@ class StateTracker(TorchDispatchMode):
         self._replay = replay
         self.kept: dict[int, tuple[str, Any, Any]] = {}
         self.kept_storages: dict[tuple[torch.device, int], Any] = {}
+        # NOTE [unneeded kept outputs]: storages each op read (ops that will re-run)
+        # and made (kept ops), by position; forward with a policy only.
+        self._trace_inputs = decide is not None and not recomputing
+        self._inputs: dict[int, set[tuple[torch.device, int]]] = {}
+        self._kept_keys: dict[int, set[tuple[torch.device, int]]] = {}
+        self.packed: set[tuple[torch.device, int]] = set()
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.used_rng = False
         self._created: set[tuple[torch.device, int]] = set()
@@ -268,7 +274,7 @@ class StateTracker(TorchDispatchMode):
             name, outputs, _ = self._replay[position]
             if name != str(func):
                 raise _ReplayMismatch(name, str(func), position)
-            return _fresh_aliases(outputs)
+            return _fresh_aliases(_filled(outputs))
         if not self.used_rng and _is_seeded(func):
             self.used_rng = True
         written = _written_args(func)
@@ -298,6 +304,13 @@ class StateTracker(TorchDispatchMode):
                 self._note_write(t)
         elif not self._recomputing:
             self._note_reads(args, kwargs, ())
+        if self._trace_inputs:
+            self._inputs[position] = {
+                _storage_key(t)
+                for value in (*args, *kwargs.values())
+                for t in _tensors(value)
+                if t.device.type != "meta"
+            }
         out = func(*args, **kwargs)
         if _returns_fresh(func):
             tensors = _tensors(out)
@@ -347,8 +360,37 @@ class StateTracker(TorchDispatchMode):
         if action.value == "recompute":
             return
         self.kept[position] = (str(func), _fresh_aliases(out), action)
+        self._kept_keys[position] = {_storage_key(t) for t in tensors}
+        self._inputs.pop(position, None)  # replayed, not re-run: reads nothing
         for t in tensors:
             self.kept_storages[_storage_key(t)] = action
+
+    def drop_unneeded_kept(self) -> int:
+        """Replace kept outputs that nothing will read by blanks; return the bytes freed.
+
+        NOTE [unneeded kept outputs]: a policy keeps op outputs so that the re-run
+        replays them instead of running their ops. A kept output is needed only if
+        backward reads it (autograd packed its storage: ``packed``) or an op that
+        will re-run reads it. Walking the ops backwards settles this in one pass,
+        since an op reads only what earlier ops made. An unneeded one (a block's
+        last matmul, whose output only the next block reads; under
+        ``save_everything`` most outputs autograd does not save) is replayed as an
+        uninitialized tensor of its shape, which nothing reads: without this a
+        policy could keep more than the plain run saves. Call once, after the
+        forward, when ``packed`` holds every kept storage the forward's pack saw.
+        """
+        needed = set(self.packed)
+        freed = 0
+        for position in sorted(set(self._inputs) | set(self.kept), reverse=True):
+            if position in self.kept:
+                if not self._kept_keys[position] & needed:
+                    name, outputs, action = self.kept[position]
+                    freed += sum(t.untyped_storage().nbytes() for t in _tensors(outputs))
+                    self.kept[position] = (name, _blanks(outputs), action)
+            else:
+                needed |= self._inputs[position]
+        self._inputs, self._kept_keys, self.kept_storages = {}, {}, {}
+        return freed
 
     def _copy_kept_before_write(self, t: torch.Tensor) -> None:
         """Copy on write: a kept or replayed output is about to be written into."""
@@ -387,6 +429,40 @@ def _fresh_aliases(outputs: Any) -> Any:
         return outputs.detach()
     if isinstance(outputs, (list, tuple)):
         return type(outputs)(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+    return outputs
+
+
+class Blank:
+    """Shape, strides, dtype and device of a kept output nothing will read."""
+
+    __slots__ = ("device", "dtype", "shape", "stride")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.stride = tuple(t.shape), tuple(t.stride())
+        self.dtype, self.device = t.dtype, t.device
+
+    def fill(self) -> torch.Tensor:
+        """An uninitialized tensor of this layout (NOTE [unneeded kept outputs])."""
+        with hidden():
+            return torch.empty_strided(
+                self.shape, self.stride, dtype=self.dtype, device=self.device
+            )
+
+
+def _filled(outputs: Any) -> Any:
+    """Outputs with each `Blank` made a tensor, at the moment its op is replayed."""
+    if isinstance(outputs, Blank):
+        return outputs.fill()
+    if isinstance(outputs, (list, tuple)) and any(isinstance(o, Blank) for o in outputs):
+        return type(outputs)(o.fill() if isinstance(o, Blank) else o for o in outputs)
+    return outputs
+
+
+def _blanks(outputs: Any) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return Blank(outputs)
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(Blank(o) if isinstance(o, torch.Tensor) else o for o in outputs)
     return outputs
 
 
