@@ -181,9 +181,9 @@ def test_kept_output_nothing_reads_is_not_kept():
     assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
 
 
-def test_save_everything_keeps_less_than_it_runs():
-    # Of a chain of elementwise ops each saving its input, the last output is read by
-    # nothing: under save_everything it is not kept.
+def test_save_everything_keeps_what_plain_autograd_keeps():
+    # A region under save_everything is plain autograd: exp's output (sin's input too)
+    # and sin's output; not cos's, which nothing reads.
     x = torch.randn(1000, requires_grad=True)
 
     def f(a):
@@ -192,7 +192,38 @@ def test_save_everything_keeps_less_than_it_runs():
     def kept(policy):
         return forget.measure(lambda: forget.checkpoint(f, x, policy=policy).grad_fn).end_bytes
 
-    assert kept(True) - kept(None) == 2 * 4000  # exp's and sin's outputs, not cos's
+    assert kept(True) - kept(None) == 2 * 4000
+    plain = forget.measure(lambda: f(x).grad_fn).end_bytes
+    assert kept(True) == plain
+
+
+def test_linear_policy_recomputes_the_attention_core():
+    # LINEAR keeps the projections' matmuls; the T x T scores (bmm) are recomputed.
+    torch.manual_seed(0)
+    proj = nn.Linear(8, 24)
+    x = torch.randn(2, 16, 8, requires_grad=True)
+
+    def kept(policy):
+        torch.manual_seed(1)
+        return forget.measure(
+            lambda: forget.checkpoint(_attention, x, proj, policy=policy).grad_fn
+        ).end_bytes
+
+    scores = 2 * 16 * 16 * 4  # one (batch, heads=1, T, T) float32 tensor
+    assert kept(P.save_outputs_of(*P.MATMUL)) - kept(P.save_outputs_of(*P.LINEAR)) >= scores
+    torch.manual_seed(1)
+    _attention(x, proj).sum().backward()
+    plain = [x.grad.clone(), *[p.grad.clone() for p in proj.parameters()]]
+    x.grad = None
+    proj.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    y = forget.checkpoint(_attention, x, proj, policy=P.save_outputs_of(*P.LINEAR))
+    log = OpLog()
+    with log:
+        y.sum().backward()
+    assert "aten.addmm" not in log.names and "aten.bmm" in log.names
+    ours = [x.grad, *[p.grad for p in proj.parameters()]]
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
 
 
 def test_attention_output_saved_by_policy_matches_plain():

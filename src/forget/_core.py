@@ -450,9 +450,12 @@ def run_region(
     """Run ``func(*args, **kwargs)`` as a forgotten region and return what it returns.
 
     Under ``torch.no_grad()`` (or inference mode) nothing is saved for backward,
-    so ``func`` just runs, once.
+    so ``func`` just runs, once. Under `policies.save_everything` nothing is
+    recomputed: ``func`` runs once as plain autograd, which keeps exactly what
+    backward reads (replaying every op output would keep more: views and
+    in-place updates re-run and need their bases).
     """
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or (policy is not None and policy.saves_everything):
         return func(*args, **kwargs)
     if torch.compiler.is_compiling():
         return compiled_region(func, args, kwargs, preserve_rng_state=preserve_rng_state)

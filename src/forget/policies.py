@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "ATTENTION",
     "CONV",
+    "LINEAR",
     "MATMUL",
     "Action",
     "Policy",
@@ -63,6 +64,9 @@ MATMUL: tuple[str, ...] = (
     "aten.baddbmm",
     "aten._addmm_activation",
 )
+# The matmuls of linear layers only: not ``bmm``, which in attention computes the
+# T x T scores that selective recomputation (Korthikanti et al.) drops and recomputes.
+LINEAR: tuple[str, ...] = ("aten.mm", "aten.addmm", "aten._addmm_activation")
 CONV: tuple[str, ...] = ("aten.convolution", "aten._convolution", "aten.mkldnn_convolution")
 ATTENTION: tuple[str, ...] = (
     "aten._scaled_dot_product_flash_attention",
@@ -109,6 +113,11 @@ class Policy:
     def saves_nothing(self) -> bool:
         """True for the plain forget policy (nothing kept, nothing offloaded)."""
         return self.description == save_nothing.description
+
+    @property
+    def saves_everything(self) -> bool:
+        """True for `save_everything`: a region under it is plain autograd."""
+        return self.description == save_everything.description
 
 
 def _const(action: Action, description: str) -> Policy:
