@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import itertools
 import json
@@ -100,14 +101,20 @@ def brute_force(chain: Chain) -> list[tuple[int, float, tuple]]:
     return out
 
 
-BRUTE_CASES = [(seed, n, seed % 2 == 0) for seed, n in enumerate([1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5])]
+BRUTE_CASES = [
+    (seed, n, seed % 2 == 0, 2.5 * (seed % 3 == 1))
+    for seed, n in enumerate([1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5])
+]
 
 
 @pytest.mark.parametrize(
-    ("seed", "n", "options"), BRUTE_CASES, ids=[f"seed{s}-L{n}-opt{o}" for s, n, o in BRUTE_CASES]
+    ("seed", "n", "options", "region_s"),
+    BRUTE_CASES,
+    ids=[f"seed{s}-L{n}-opt{o}-region{c}" for s, n, o, c in BRUTE_CASES],
 )
-def test_optimal_equals_brute_force(seed: int, n: int, options: bool) -> None:
+def test_optimal_equals_brute_force(seed: int, n: int, options: bool, region_s: float) -> None:
     chain = random_chain(random.Random(seed), n, options=options)
+    chain = dataclasses.replace(chain, region_overhead_s=region_s)
     results = brute_force(chain)
     for peak, time_s, items in results:
         assert evaluate(chain, items) == pytest.approx((peak, time_s))
@@ -413,6 +420,24 @@ def test_stage_validation(kwargs: dict, error: type, match: str) -> None:
     }
     with pytest.raises(error, match=f"^forget: .*{match}"):
         Stage(**{**base, **kwargs})
+
+
+def test_region_overhead_counts_once_per_region() -> None:
+    chain = dataclasses.replace(big_chain(4), region_overhead_s=10.0)
+    base = dataclasses.replace(chain, region_overhead_s=0.0)
+    each = tuple(Region((Keep(i),)) for i in range(4))
+    one = (Region(tuple(Keep(i) for i in range(4))),)
+    nested = (Region((Region((Keep(0), Keep(1))), Keep(2), Keep(3))),)
+    for items, regions in ((each, 4), (one, 1), (nested, 2)):
+        for model in (simulate, evaluate):
+            assert model(chain, items)[1] == pytest.approx(model(base, items)[1] + 10.0 * regions)
+    # With a large fixed cost per region the DP merges regions.
+    budget = min_feasible_bytes(base) * 2
+    cheap, costly = solve(base, budget), solve(chain, budget)
+    count = lambda sch: sum(op.kind == "F_ck" for op in sch.ops())  # noqa: E731
+    assert count(costly) <= count(cheap)
+    with pytest.raises(ValueError, match="region_overhead_s must be a finite time >= 0"):
+        dataclasses.replace(chain, region_overhead_s=-1.0)
 
 
 def test_chain_validation() -> None:

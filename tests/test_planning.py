@@ -322,3 +322,19 @@ def test_plan_module_is_callable_and_still_imports_no_torch():
     code = "import sys, forget.plan as p; assert callable(p); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert forget.plan.Plan is forget.Plan is Plan
+
+
+def test_profile_charges_a_fixed_cost_per_region():
+    # NOTE [time of a region]: measured on the first two blocks (a tiny op for one block);
+    # every figure a time >= 0, and a region over several stages costs one fixed part.
+    model, x, target = _model("residual_mlp")
+    chain = forget.profile_chain(model, x, target, repeats=1)
+    assert chain.region_overhead_s >= 0.0
+    assert all(s.forward_nograd_s >= 0.0 for s in chain.stages)
+    one = forget.profile_chain(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), repeats=1)
+    assert one.region_overhead_s >= 0.0
+    n = len(chain)
+    merged = P.Schedule.from_items(chain, (P.Region(tuple(P.Keep(i) for i in range(n))),))
+    split = P.Schedule.from_items(chain, tuple(P.Region((P.Keep(i),)) for i in range(n)))
+    fixed = (n - 1) * chain.region_overhead_s
+    assert split.predicted_time_s - merged.predicted_time_s == pytest.approx(fixed)

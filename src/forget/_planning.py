@@ -16,12 +16,27 @@ the measured peak of the least-memory schedule; above it, a bisection over
 the budget handed to the planner keeps the fastest schedule whose measured
 peak is within the budget. A returned plan has ``measured_peak_bytes <=
 budget_bytes`` by construction, for the inputs it was planned with.
+
+NOTE [time of a region]: the planners' time model (Rotor's) charges a
+forgotten stage one extra forward without grad. forget's region does
+more than that: its forward runs with grad under saved-tensor hooks and a
+dispatch mode, the recomputation runs under them again, and every region has
+a fixed cost (its setup, RNG state, hooks). On small blocks these dwarf the
+forward itself, and a plan built on forward times alone forgets many small
+regions where fewer, longer ones are faster. So the profile measures what
+forgetting costs: per stage, a one-stage region's full step (forward and
+backward) minus the plain step's, timed alternately; and once per chain, the
+same difference for a region around one tiny op, which is the fixed cost per
+region (``Chain.region_overhead_s``). A stage's ``forward_nograd_s`` is its
+difference minus that fixed cost, so a one-stage region costs in the model
+what it measured.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -206,6 +221,68 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _step_timer(forward: Callable[[], Any], clear: Callable[[], None]) -> Callable[[], float]:
+    """Time one forward and backward (gradient of ones) of ``forward``."""
+
+    def timed() -> float:
+        clear()
+        start = time.perf_counter()
+        y = forward()
+        if isinstance(y, Tensor) and y.requires_grad:
+            y.backward(torch.ones_like(y))
+        return time.perf_counter() - start
+
+    return timed
+
+
+def _alternating_median_difference(
+    a: Callable[[], float], b: Callable[[], float], repeats: int
+) -> float:
+    """Median of ``a() - b()`` over pairs run back to back (noise hits both alike), >= 0."""
+    a(), b()  # warm up
+    return max(0.0, statistics.median(a() - b() for _ in range(max(3, repeats))))
+
+
+def _region_overhead_s(
+    blocks: Sequence[Block], h: Tensor, stages: Sequence[P.Stage], repeats: int
+) -> float:
+    """The fixed cost of one region, measured on the first two blocks.
+
+    Forgetting blocks 0 and 1 as one region costs ``extra_01`` more than the
+    plain step; as two regions, ``extra_0 + extra_1`` (their stages'
+    ``forward_nograd_s`` as profiled). The difference is what the second
+    region's setup, hooks and recomputation cost beyond its ops. With one
+    block, a region around a single tiny op stands in.
+    """
+    params = [p for b in blocks[:2] for p in getattr(b, "parameters", list)()]
+
+    def clear() -> None:
+        h.grad = None
+        for p in params:
+            p.grad = None
+
+    if len(blocks) < 2:
+        x = torch.ones(1, device=h.device, requires_grad=True)
+        tiny = functools.partial(torch.mul, other=2.0)
+        return _alternating_median_difference(
+            _step_timer(lambda: run_region(tiny, (x,), {}), lambda: setattr(x, "grad", None)),
+            _step_timer(lambda: tiny(x), lambda: setattr(x, "grad", None)),
+            max(9, 3 * repeats),
+        )
+    b0, b1 = blocks[0], blocks[1]
+
+    def pair(t: Tensor) -> Tensor:
+        out: Tensor = b1(b0(t))
+        return out
+
+    extra_pair = _alternating_median_difference(
+        _step_timer(lambda: run_region(pair, (h,), {}), clear),
+        _step_timer(lambda: pair(h), clear),
+        max(9, repeats),
+    )
+    return max(0.0, stages[0].forward_nograd_s + stages[1].forward_nograd_s - extra_pair)
+
+
 def _policy_region(block: Block, policy: Policy) -> Block:
     def run(h: Tensor) -> Tensor:
         out: Tensor = run_region(block, (h,), {}, policy=policy)
@@ -250,10 +327,6 @@ def _profile_stage(
     def forward_with_grad() -> None:
         block(h)
 
-    def forward_nograd() -> None:
-        with torch.no_grad():
-            block(h)
-
     def backward_of(run: Block) -> Callable[[], float]:
         def timed() -> float:
             clear()
@@ -271,8 +344,14 @@ def _profile_stage(
         return statistics.median(fn() for _ in range(repeats))
 
     forward_s = _median_s(forward_with_grad, repeats)
-    nograd_s = _median_s(forward_nograd, repeats)
     backward_s = median_of(backward_of(block))
+    # NOTE [time of a region]: what forgetting this stage alone costs, in full.
+    region_step, plain_step = (
+        _step_timer(lambda: run_region(block, (h,), {}), clear),
+        _step_timer(lambda: block(h), clear),
+    )
+    extra_s = _alternating_median_difference(region_step, plain_step, repeats)
+    nograd_s = extra_s
     options = []
     for option_name, policy in policies.items():
         run = _policy_region(block, policy)
@@ -335,12 +414,18 @@ def _check_options(options: Mapping[str, object] | None) -> dict[str, Policy]:
 def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P.Chain:
     if not target.blocks:
         raise ValueError("forget: plan needs at least one block, got none")
-    h = target.chain_input()
+    h0 = h = target.chain_input()
     stages = []
     for name, block in zip(_stage_names(target), target.blocks, strict=True):
         stage, h = _profile_stage(name, block, h, policies, repeats)
         stages.append(stage)
-    return P.Chain(tuple(stages))
+    # NOTE [time of a region]: the fixed part, charged once per region.
+    region_s = _region_overhead_s(target.blocks, h0, stages, repeats)
+    stages = [
+        dataclasses.replace(s, forward_nograd_s=max(0.0, s.forward_nograd_s - region_s))
+        for s in stages
+    ]
+    return P.Chain(tuple(stages), region_overhead_s=region_s)
 
 
 def profile_chain(
@@ -549,6 +634,7 @@ class Plan:
             "format": "forget.plan/1",
             "schedule": self.schedule.to_dict(),
             "chain": [dataclasses.asdict(s) for s in self.chain.stages],
+            "region_overhead_s": self.chain.region_overhead_s,
             "budget_bytes": self.budget_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -579,7 +665,9 @@ class Plan:
             stages.append(P.Stage(**fields))
         return cls(
             schedule=P.Schedule.from_dict(obj["schedule"]),
-            chain=P.Chain(tuple(stages)),
+            chain=P.Chain(
+                tuple(stages), region_overhead_s=float(obj.get("region_overhead_s", 0.0))
+            ),
             budget_bytes=int(obj["budget_bytes"]),
             measured_peak_bytes=int(obj["measured_peak_bytes"]),
             predicted_peak_bytes=int(obj["predicted_peak_bytes"]),

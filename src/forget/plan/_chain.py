@@ -175,14 +175,23 @@ class Chain:
 
     Attributes:
         stages: the stages, in forward order (at least one).
+        region_overhead_s: fixed time every region costs besides its stages'
+            forward times (setting up the region, its recomputation, its
+            bookkeeping), added once per region; 0 by default.
 
     Raises:
         ValueError: empty chain, or mismatched sizes between neighbours.
     """
 
     stages: tuple[Stage, ...]
+    region_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "region_overhead_s",
+            _check_seconds("Chain", "region_overhead_s", self.region_overhead_s),
+        )
         stages = tuple(self.stages)
         if not stages:
             raise ValueError("forget: a Chain needs at least one stage, got none")

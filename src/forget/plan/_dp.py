@@ -190,7 +190,7 @@ class _Tables:
                 if length >= 2:
                     ks = np.arange(s + 1, t)
                     cost = shifted(p[s + 1 : t, t], a[s]) + p[s, s + 1 : t]
-                    cost += (nograd[ks] - nograd[s])[:, None]
+                    cost += (nograd[ks] - nograd[s] + chain.region_overhead_s)[:, None]
                     thr_k = g[s, s + 1 : t] + 2 * a[t]
                     cost[m_index[None, :] < thr_k[:, None]] = inf
                     stack = np.vstack([np.stack(cands), cost])
@@ -217,7 +217,7 @@ class _Tables:
                 cands.append(row)
             ks = np.arange(s + 1, n + 1)
             cost = shifted(q[s + 1 :], a[s]) + p[s, s + 1 :]
-            cost += (nograd[ks] - nograd[s])[:, None]
+            cost += (nograd[ks] - nograd[s] + chain.region_overhead_s)[:, None]
             cost[m_index[None, :] < g[s, s + 1 :][:, None]] = inf
             stack = np.vstack([np.stack(cands), cost])
             best = np.argmin(stack, axis=0)
@@ -354,7 +354,13 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
                     np.maximum(g[s, s + 1 : t] + 2 * a[t], a[s] + pm[s + 1 : t, t]),
                     pm[s, s + 1 : t],
                 )
-                rt = pt[s + 1 : t, t] + pt[s, s + 1 : t] + nograd[ks] - nograd[s]
+                rt = (
+                    pt[s + 1 : t, t]
+                    + pt[s, s + 1 : t]
+                    + nograd[ks]
+                    - nograd[s]
+                    + chain.region_overhead_s
+                )
                 kp, kt = np.concatenate([kp, rp]), np.concatenate([kt, rt])
             best = pick(kp, kt)
             pm[s, t], pt[s, t], pc[s, t] = kp[best], kt[best], best
@@ -380,7 +386,7 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
                 times.append(v.time_s + float(qt[s + 1]))
         ks = np.arange(s + 1, n + 1)
         rp = np.maximum(np.maximum(g[s, s + 1 :], a[s] + qm[s + 1 :]), pm[s, s + 1 :])
-        rt = qt[s + 1 :] + pt[s, s + 1 :] + nograd[ks] - nograd[s]
+        rt = qt[s + 1 :] + pt[s, s + 1 :] + nograd[ks] - nograd[s] + chain.region_overhead_s
         kp = np.concatenate([np.array(peaks, dtype=np.int64), rp])
         kt = np.concatenate([np.array(times), rt])
         best = pick(kp, kt)

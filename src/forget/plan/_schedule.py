@@ -40,7 +40,8 @@ that frees them:
 * Peak = the maximum over all ops; the step ends with ``x_0`` and ``δ_0`` alive.
 
 Time = the sum of op times: ``forward_s`` per ``F_all``, ``forward_nograd_s`` per
-``F_ck``/``F_n``, ``backward_s`` (+ the option's ``recompute_s``) per ``B``.
+``F_ck``/``F_n``, ``backward_s`` (+ the option's ``recompute_s``) per ``B``, and
+the chain's ``region_overhead_s`` once per region (per ``F_ck``).
 """
 
 from __future__ import annotations
@@ -446,6 +447,8 @@ def simulate(chain: Chain, schedule: Schedule | Sequence[Item]) -> tuple[int, fl
                 peak = max(peak, used + new + stage.forward_overhead_bytes)
                 used += new
                 time_s += stage.forward_nograd_s
+                if op.kind == "F_ck":  # a region starts: its fixed cost, once
+                    time_s += chain.region_overhead_s
                 if op.kind == "F_n":
                     used -= live.pop(("x", i))
         elif op.kind == "B":
@@ -516,7 +519,9 @@ def evaluate(chain: Chain, items: Sequence[Item]) -> tuple[int, float]:
             )
             return peak, time_s + rest_s
         k = head.stop
-        nograd_s = sum(chain.stages[j].forward_nograd_s for j in range(s, k))
+        nograd_s = chain.region_overhead_s + sum(
+            chain.stages[j].forward_nograd_s for j in range(s, k)
+        )
         sub_peak, sub_s = inner(head.items, k)
         if not rest:
             return max(_fwd_region_peak(a, fo, s, k, True) + 2 * a[t], sub_peak), nograd_s + sub_s
@@ -540,7 +545,9 @@ def evaluate(chain: Chain, items: Sequence[Item]) -> tuple[int, float]:
             )
             return peak, time_s + rest_s
         k = head.stop
-        nograd_s = sum(chain.stages[j].forward_nograd_s for j in range(s, k))
+        nograd_s = chain.region_overhead_s + sum(
+            chain.stages[j].forward_nograd_s for j in range(s, k)
+        )
         sub_peak, sub_s = inner(head.items, k)
         fwd = _fwd_region_peak(a, fo, s, k, False)
         if not rest:
