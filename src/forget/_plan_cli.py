@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import random
 import statistics
 import sys
 import time
@@ -96,15 +97,24 @@ def _time_runners(
     runners: dict[str, Callable[[torch.Tensor], torch.Tensor] | None],
     repeats: int,
 ) -> dict[str, float]:
-    """Median step time per runner, timed round-robin so machine noise hits all alike."""
+    """Median step time per runner, timed round-robin so machine noise hits all alike.
+
+    The order is shuffled each round (seeded): a runner timed right after a
+    larger one pays for memory the allocator hands back, which a fixed order
+    would charge to the same runner every round.
+    """
     target = planner.target
     times: dict[str, list[float]] = {name: [] for name in runners}
+    order = list(runners)
+    rng = random.Random(0)
     with _untouched(target):
         for runner in runners.values():  # warm-up
             _zero_grads(target)
             target.step(runner)
         for _ in range(repeats):
-            for name, runner in runners.items():
+            rng.shuffle(order)
+            for name in order:
+                runner = runners[name]
                 _zero_grads(target)
                 start = time.perf_counter()
                 target.step(runner)
@@ -139,9 +149,15 @@ def _plan_budgets(
             if planner.trials.peak(s) <= budget
         ]
         runners: dict[str, Any] = {"plain": None, "plan": row.plan.runner(planner.target.blocks)}
+        same_as_plan = []  # a uniform segmentation the plan equals is timed once, as the plan
         for k, s, _ in fitting:
-            runners[f"uniform({k})"] = _Items(s.items, planner.target.blocks, {})
+            if s.items == row.plan.schedule.items:
+                same_as_plan.append(k)
+            else:
+                runners[f"uniform({k})"] = _Items(s.items, planner.target.blocks, {})
         medians = _time_runners(planner, runners, repeats)
+        for k in same_as_plan:
+            medians[f"uniform({k})"] = medians["plan"]
         plain = medians["plain"]
         row.plan_overhead = medians["plan"] / plain - 1
         if fitting:
