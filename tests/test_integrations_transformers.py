@@ -228,3 +228,77 @@ def test_torch_compile_of_enabled_model_matches_eager(name: str) -> None:
         _assert_equal(plain, _step(model, call=compiled))
     finally:
         torch._dynamo.reset()
+
+
+# NOTE [budget by layers]
+
+
+def _peak(model: Any) -> int:
+    model.zero_grad(set_to_none=True)
+    report = forget.measure(lambda: _loss(model).backward())
+    model.zero_grad(set_to_none=True)
+    return report.peak_bytes
+
+
+def _deep_gpt2() -> Any:
+    config = transformers.GPT2Config(
+        n_layer=6,
+        n_embd=32,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def test_budget_checkpoints_the_fewest_layers_that_fit() -> None:
+    inputs = {"input_ids": IDS, "labels": IDS}
+    model = _deep_gpt2()
+    plain_peak = _peak(model)
+    forget_hf.enable(model)
+    least = _peak(model)
+    names = [f"transformer.h.{i}" for i in range(6)]
+    assert forget_hf.checkpointed_layers(model) == names
+    chosen = []
+    for share in (1.0, 0.85, 0.7, 0.55):
+        forget_hf.enable(model, budget=share, inputs=inputs)
+        layers = forget_hf.checkpointed_layers(model)
+        assert layers == names[: len(layers)]  # the first ones
+        assert _peak(model) <= int(share * plain_peak)
+        chosen.append(len(layers))
+    assert chosen[0] == 0 and chosen == sorted(chosen) and chosen[-1] < 6
+    # one fewer layer would not fit: the choice is the least
+    k = chosen[-1]
+    for i, layer in enumerate(_layers(model)):
+        layer.gradient_checkpointing = i < k - 1
+    assert _peak(model) > int(0.55 * plain_peak)
+    assert least < _peak(model)
+    # grads and loss still those of the plain model
+    forget_hf.enable(model, budget="60%", inputs=inputs)
+    plain = _deep_gpt2()
+    _assert_equal(_step(plain), _step(model))
+
+
+def test_budget_below_all_layers_checkpointed_raises_with_the_least() -> None:
+    model = _deep_gpt2()
+    forget_hf.enable(model)
+    least = _peak(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    with pytest.raises(forget.BudgetInfeasibleError, match="smallest feasible") as error:
+        forget_hf.enable(model, budget=least - 1, inputs={"input_ids": IDS, "labels": IDS})
+    assert error.value.min_feasible_bytes == least
+    assert forget_hf.checkpointed_layers(model) == [f"transformer.h.{i}" for i in range(6)]
+    forget_hf.enable(model, budget=least, inputs={"input_ids": IDS, "labels": IDS})
+    assert torch.equal(rng, torch.get_rng_state())  # probing leaves the RNG alone
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_budget_needs_inputs() -> None:
+    with pytest.raises(TypeError, match="needs their inputs"):
+        forget_hf.enable(_deep_gpt2(), budget="50%")

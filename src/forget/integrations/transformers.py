@@ -33,13 +33,13 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._checkpoint import checkpoint
 from ..policies import Policy, as_policy
 
-__all__ = ["checkpoint_function", "disable", "enable", "is_enabled"]
+__all__ = ["checkpoint_function", "checkpointed_layers", "disable", "enable", "is_enabled"]
 
 _INSTALL = 'pip install "transformers>=4.35"  (or: pip install "torch-forget[transformers]")'
 _ATTR = "_gradient_checkpointing_func"
@@ -94,7 +94,12 @@ def _checkpointing_modules(model: Any) -> list[Any]:
 
 
 def enable(
-    model: Any, *, policy: Policy | bool | None = None, preserve_rng_state: bool = True
+    model: Any,
+    *,
+    policy: Policy | bool | None = None,
+    preserve_rng_state: bool = True,
+    budget: int | float | str | None = None,
+    inputs: Mapping[str, Any] | None = None,
 ) -> Any:
     """Turn on gradient checkpointing in ``model``, with forget running every checkpointed layer.
 
@@ -103,6 +108,12 @@ def enable(
         policy: what each layer keeps (`forget.policies`); ``None`` keeps nothing
             but the layer inputs.
         preserve_rng_state: replay RNG in the recomputation (dropout stays exact).
+        budget: fit one training step into this peak memory, checkpointing as few
+            layers as it takes: bytes, a size (``"512MiB"``) or a share of the
+            plain step's measured peak (``"60%"``, ``0.6``). Needs ``inputs``.
+            NOTE [budget by layers].
+        inputs: keyword inputs of one training step, ``model(**inputs).loss``
+            (for example ``{"input_ids": ids, "labels": ids}``), used to measure.
 
     Returns:
         ``model`` itself, changed in place. As with transformers' own
@@ -110,11 +121,19 @@ def enable(
 
     Raises:
         ImportError: transformers is not installed (the message has the pip command).
-        TypeError: ``model`` is not a ``PreTrainedModel``.
+        TypeError: ``model`` is not a ``PreTrainedModel``; ``budget`` without ``inputs``.
         ValueError: the model does not support gradient checkpointing, or uses the
             pre-4.35 format that calls torch's checkpoint directly.
+        forget.BudgetInfeasibleError: even with every layer checkpointed the
+            measured peak is above ``budget``; the error names that peak.
     """
     _check_model(model)
+    if budget is not None and inputs is None:
+        raise TypeError(
+            "forget: enable(model, budget=...) measures training steps to fit the budget and "
+            "needs their inputs: pass inputs={'input_ids': ids, 'labels': ids} (whatever "
+            "model(**inputs).loss takes)."
+        )
     func = checkpoint_function(policy=policy, preserve_rng_state=preserve_rng_state)
     # transformers does its own switching first (flags, every_n_layers, input-grad
     # hooks); the keyword arguments only reach the torch function replaced below.
@@ -135,7 +154,94 @@ def enable(
             "calls torch.utils.checkpoint directly and cannot be redirected. Upgrade the model "
             "code, or wrap its blocks with forget.Forget."
         )
+    if budget is not None:
+        assert inputs is not None
+        _fit_budget(model, budget, inputs)
     return model
+
+
+# NOTE [budget by layers]: transformers checkpoints a layer when its
+# ``gradient_checkpointing`` flag is set, so a budget is met by choosing how many
+# layers keep the flag. Checkpointing the first k of L layers, the measured peak
+# of a step falls as k grows (the tests check it on the reference models); we
+# measure k = L (the least memory: above the budget, the budget is infeasible)
+# and k = 0 (the plain step, what a share refers to), then bisect for the least k
+# whose *measured* peak fits. The first layers go first: their activations wait
+# longest for backward, and a checkpointed layer recomputes after the plain layers
+# above it have freed theirs. Each probe is one step measured with forget.measure;
+# RNG, gradients and buffers are put back afterwards.
+
+
+def _layers(model: Any) -> list[Any]:
+    """The checkpointable layers: flagged modules with no flagged module inside."""
+    flagged = [m for m in _checkpointing_modules(model) if hasattr(m, _ATTR)]
+    return [
+        m
+        for m in flagged
+        if not any(o is not m and hasattr(o, _ATTR) for o in m.modules() if o in flagged)
+    ]
+
+
+def _fit_budget(model: Any, budget: int | float | str, inputs: Mapping[str, Any]) -> None:
+    import torch
+
+    from .. import _errors
+    from .._measure import measure
+    from ..plan import parse_budget
+
+    layers = _layers(model)
+    params = [p for p in model.parameters()]
+    grads = [p.grad for p in params]
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+
+    def peak(k: int) -> int:
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < k
+        for p in params:
+            p.grad = None
+        with torch.random.fork_rng(devices=[]):
+            report = measure(lambda: model(**inputs).loss.backward())
+        return report.peak_bytes
+
+    try:
+        least, plain = peak(len(layers)), peak(0)
+        limit = parse_budget(budget, plain)
+        if least > limit:
+            raise _errors.BudgetInfeasibleError(
+                f"forget: the budget {limit:,} B is below the smallest feasible one, "
+                f"{least:,} B (one step with all {len(layers)} layers checkpointed; the plain "
+                f"step peaks at {plain:,} B)",
+                budget_bytes=limit,
+                min_feasible_bytes=least,
+            )
+        lo, hi = 0, len(layers)  # peak(hi) <= limit
+        if plain <= limit:
+            hi = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if peak(mid) <= limit:
+                hi = mid
+            else:
+                lo = mid
+        chosen = hi
+    except BaseException:
+        chosen = len(layers)
+        raise
+    finally:
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < chosen
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+
+
+def checkpointed_layers(model: Any) -> list[str]:
+    """Names of the layers of ``model`` that transformers checkpoints now."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(m)] for m in _layers(model) if m.gradient_checkpointing]
 
 
 def disable(model: Any) -> Any:
