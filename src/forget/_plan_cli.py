@@ -12,10 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import random
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +22,7 @@ import torch
 
 from . import plan as P
 from ._errors import BudgetInfeasibleError
-from ._planning import Plan, _Items, _Planner, _untouched, _zero_grads
+from ._planning import Plan, _Items, _Planner, time_side_by_side
 from .models import MODEL_NAMES, SIZES, BlockModel, build_model
 
 PLOT_HINT = "forget: --pareto needs matplotlib; install it with pip install 'torch-forget[plot]'"
@@ -92,36 +89,6 @@ def _items_text(schedule: P.Schedule) -> str:
 # ------------------------------------------------------------------ timing
 
 
-def _time_runners(
-    planner: _Planner,
-    runners: dict[str, Callable[[torch.Tensor], torch.Tensor] | None],
-    repeats: int,
-) -> dict[str, float]:
-    """Median step time per runner, timed round-robin so machine noise hits all alike.
-
-    The order is shuffled each round (seeded): a runner timed right after a
-    larger one pays for memory the allocator hands back, which a fixed order
-    would charge to the same runner every round.
-    """
-    target = planner.target
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    order = list(runners)
-    rng = random.Random(0)
-    with _untouched(target):
-        for runner in runners.values():  # warm-up
-            _zero_grads(target)
-            target.step(runner)
-        for _ in range(repeats):
-            rng.shuffle(order)
-            for name in order:
-                runner = runners[name]
-                _zero_grads(target)
-                start = time.perf_counter()
-                target.step(runner)
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def _uniform_schedules(planner: _Planner) -> list[tuple[int, P.Schedule]]:
     n = len(planner.chain)
     return [
@@ -155,7 +122,7 @@ def _plan_budgets(
                 same_as_plan.append(k)
             else:
                 runners[f"uniform({k})"] = _Items(s.items, planner.target.blocks, {})
-        medians = _time_runners(planner, runners, repeats)
+        medians = time_side_by_side(planner.target, runners, repeats)
         for k in same_as_plan:
             medians[f"uniform({k})"] = medians["plan"]
         plain = medians["plain"]

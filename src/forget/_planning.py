@@ -774,6 +774,32 @@ def plan(
     return planner.plan(budget, algorithm=algorithm)
 
 
+def time_side_by_side(
+    target: _Target, runners: Mapping[Any, Block | None], repeats: int
+) -> dict[Any, float]:
+    """Median step time of each runner (``None``: plain), timed side by side.
+
+    One warm-up round, then ``repeats`` rounds, each running every runner once,
+    so machine noise hits all alike. The order is shuffled each round (seeded):
+    a runner timed right after a larger one pays for memory the allocator hands
+    back, which a fixed order would charge to the same runner every round.
+    The model is left as it was (`_untouched`).
+    """
+    times: dict[Any, list[float]] = {key: [] for key in runners}
+    order = list(runners)
+    rng = random.Random(0)
+    with _untouched(target):
+        for round_ in range(repeats + 1):
+            rng.shuffle(order)
+            for key in order:
+                _zero_grads(target)
+                start = time.perf_counter()
+                target.step(runners[key])
+                if round_:
+                    times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
 class _Planner:
     """Profile once, then plan for several budgets, sharing the measured trials."""
 
@@ -827,23 +853,12 @@ class _Planner:
         candidates = list(unique.values())
         if len(candidates) == 1:
             return candidates[0]
-        target = self.target
-        runners = [_Items(s.items, target.blocks, self.policies) for s, _ in candidates]
-        times: list[list[float]] = [[] for _ in candidates]
-        order = list(range(len(runners)))
-        rng = random.Random(0)  # shuffled rounds: no candidate always follows the same one
-        with _untouched(target):
-            for round_ in range(max(1, self.repeats) + 1):
-                rng.shuffle(order)
-                for i in order:
-                    runner = runners[i]
-                    _zero_grads(target)
-                    start = time.perf_counter()
-                    target.step(runner)
-                    if round_:
-                        times[i].append(time.perf_counter() - start)
-        medians = [statistics.median(ts) for ts in times]
-        return candidates[min(range(len(candidates)), key=lambda i: (medians[i], i))]
+        runners = {
+            i: _Items(s.items, self.target.blocks, self.policies)
+            for i, (s, _) in enumerate(candidates)
+        }
+        medians = time_side_by_side(self.target, runners, max(1, self.repeats))
+        return candidates[min(medians, key=lambda i: (medians[i], i))]
 
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
         chain, trials = self.chain, self.trials

@@ -190,7 +190,8 @@ def _fit_budget(model: Any, budget: int | float | str, inputs: Mapping[str, Any]
     from ..plan import parse_budget
 
     layers = _layers(model)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
+    cuda = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     grads = [p.grad for p in params]
     buffers = {n: b.clone() for n, b in model.named_buffers()}
 
@@ -199,10 +200,11 @@ def _fit_budget(model: Any, budget: int | float | str, inputs: Mapping[str, Any]
             layer.gradient_checkpointing = i < k
         for p in params:
             p.grad = None
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=cuda):  # probes draw no one's random numbers
             report = measure(lambda: model(**inputs).loss.backward())
         return report.peak_bytes
 
+    chosen = len(layers)  # what enable leaves when the budget cannot be met
     try:
         least, plain = peak(len(layers)), peak(0)
         limit = parse_budget(budget, plain)
@@ -224,9 +226,6 @@ def _fit_budget(model: Any, budget: int | float | str, inputs: Mapping[str, Any]
             else:
                 lo = mid
         chosen = hi
-    except BaseException:
-        chosen = len(layers)
-        raise
     finally:
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = i < chosen
