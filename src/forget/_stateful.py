@@ -106,35 +106,32 @@ def _written_args(op: Any) -> tuple[tuple[int, str], ...]:
 
 
 _FRESH: dict[Any, bool] = {}
-_RESULTS: dict[Any, tuple[int, ...] | None] = {}
+_RESULTS: dict[Any, int | None] = {}
 
 
-def _update_results(op: Any) -> tuple[int, ...] | None:
-    """For an op whose every result is one of its written arguments, their positions.
+def _update_results(op: Any) -> int | None:
+    """How many results an op returns when each is one of its written arguments.
 
-    ``add_`` returns its ``self``: (0,). ``None`` when some result is new memory
-    or a view, or the op draws random numbers; the op is then no pure update.
+    ``add_`` returns its ``self``: 1. ``None`` when some result is new memory or
+    a view, or the op draws random numbers; the op is then no pure update.
     """
     if op in _RESULTS:
         return _RESULTS[op]
     schema = op._schema
     written = {
-        frozenset(a.alias_info.before_set): i
-        for i, a in enumerate(schema.arguments)
+        frozenset(a.alias_info.before_set)
+        for a in schema.arguments
         if a.alias_info is not None and a.alias_info.is_write
     }
-    positions: tuple[int, ...] | None = ()
-    for r in schema.returns:
-        info = r.alias_info
-        if info is None or not info.is_write or frozenset(info.before_set) not in written:
-            positions = None
-            break
-        assert positions is not None
-        positions = (*positions, written[frozenset(info.before_set)])
-    if _is_seeded(op):
-        positions = None
-    _RESULTS[op] = positions
-    return positions
+    pure = not _is_seeded(op) and all(
+        r.alias_info is not None
+        and r.alias_info.is_write
+        and frozenset(r.alias_info.before_set) in written
+        for r in schema.returns
+    )
+    count = len(schema.returns) if pure else None
+    _RESULTS[op] = count
+    return count
 
 
 def _returns_fresh(op: Any) -> bool:
@@ -292,10 +289,10 @@ class StateTracker(TorchDispatchMode):
             pure = len(targets) == 1 and _update_results(func) is not None
             if pure and self._skip and _storage_key(targets[0]) in self._skip:
                 # NOTE [write-only state]: the forward's update is already in place.
-                results = _update_results(func) or ()
-                if len(results) == 1:
+                results = _update_results(func) or 0
+                if results == 1:
                     return targets[0]
-                return tuple(targets[0] for _ in results) if results else None
+                return (targets[0],) * results if results else None
             if not self._recomputing:
                 self._note_reads(args, kwargs, written if pure else ())
                 if not pure:
