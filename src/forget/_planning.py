@@ -28,11 +28,12 @@ a fixed cost (its setup, RNG state, hooks). On small blocks these dwarf the
 forward itself, and a plan built on forward times alone forgets many small
 regions where fewer, longer ones are faster. So the profile measures what
 forgetting costs: per stage, a one-stage region's full step (forward and
-backward) minus the plain step's, timed alternately; and once per chain, the
-same difference for a region around one tiny op, which is the fixed cost per
-region (``Chain.region_overhead_s``). A stage's ``forward_nograd_s`` is its
-difference minus that fixed cost, so a one-stage region costs in the model
-what it measured.
+backward) minus the plain step's, timed alternately; and once per chain, how
+much less the first two blocks cost forgotten as one region than as two,
+which is the fixed cost per region (``Chain.region_overhead_s``; a region
+around one tiny op stands in for a one-block chain). A stage's
+``forward_nograd_s`` is its difference minus that fixed cost, so a one-stage
+region costs in the model what it measured.
 """
 
 from __future__ import annotations
@@ -350,12 +351,11 @@ def _profile_stage(
     forward_s = _median_s(forward_with_grad, repeats)
     backward_s = median_of(backward_of(block))
     # NOTE [time of a region]: what forgetting this stage alone costs, in full.
-    region_step, plain_step = (
+    nograd_s = _alternating_median_difference(
         _step_timer(lambda: run_region(block, (h,), {}), clear),
         _step_timer(lambda: block(h), clear),
+        repeats,
     )
-    extra_s = _alternating_median_difference(region_step, plain_step, repeats)
-    nograd_s = extra_s
     options = []
     for option_name, policy in policies.items():
         run = _policy_region(block, policy)
