@@ -25,9 +25,9 @@ VOCAB = 100
 LAYERS = 2
 
 
-def _gpt2() -> Any:
+def _gpt2(layers: int = LAYERS) -> Any:
     config = transformers.GPT2Config(
-        n_layer=LAYERS,
+        n_layer=layers,
         n_embd=32,
         n_head=4,
         vocab_size=VOCAB,
@@ -241,18 +241,8 @@ def _peak(model: Any) -> int:
 
 
 def _deep_gpt2() -> Any:
-    config = transformers.GPT2Config(
-        n_layer=6,
-        n_embd=32,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).train()
+    return _gpt2(layers=6).train()
 
 
 def test_budget_checkpoints_the_fewest_layers_that_fit() -> None:
