@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
 from forget import ForgetError, RecomputationMismatchError
@@ -367,7 +370,7 @@ def test_in_recomputing_false_outside():
     assert forget.in_recomputing() is False
 
 
-def test_early_stop_runs_at_most_one_op_after_the_last_saved_tensor():
+def test_early_stop_runs_no_op_after_the_last_saved_tensor():
     x = torch.randn(4, requires_grad=True)
     steps: list[int] = []
 
@@ -379,9 +382,36 @@ def test_early_stop_runs_at_most_one_op_after_the_last_saved_tensor():
         return h
 
     forget.forget(f, x).sum().backward()
-    # NOTE [early stop]: the re-run goes on to the start of the next op but one, as a
-    # kernel may still write into a tensor its autograd layer has just saved.
-    assert steps == [0, 1, 2, 3, 4, 0]
+    # NOTE [early stop]: the re-run stops as the op after exp starts.
+    assert steps == [0, 1, 2, 3, 4]
+
+
+def test_early_stop_skips_the_kernel_whose_inputs_were_saved_last():
+    # mul's autograd layer saves both of its inputs before its kernel runs; nothing
+    # needs the kernel's output, so the re-run stops as mul starts: exp and sin run
+    # again, mul does not (NOTE [early stop]).
+    x = torch.randn(8, requires_grad=True)
+
+    def f(a):
+        return a.exp() * a.sin()
+
+    def backward_ops(y):
+        names: list[str] = []
+
+        class Log(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.__name__.split(".")[0] in ("exp", "sin", "mul"):
+                    names.append(func.__name__.split(".")[0])
+                return func(*args, **(kwargs or {}))
+
+        with Log():
+            y.sum().backward()
+        return collections.Counter(names)
+
+    plain = backward_ops(f(x))
+    ours = backward_ops(forget.forget(f, x))
+    assert ours - plain == collections.Counter({"exp": 1, "sin": 1})
+    assert plain - ours == collections.Counter()
 
 
 def test_rrelu_noise_is_filled_before_the_recomputation_stops():

@@ -141,14 +141,15 @@ def test_ledger_shows_exactly_the_saved_matmul_outputs():
     x = torch.randn(64, 32, requires_grad=True)
 
     def f(a):
-        return lin2(torch.tanh(lin1(a))).sum()
+        return lin2(torch.tanh(lin1(a))).square().sum()
 
     def forward_only(policy):
         return forget.measure(lambda: forget.checkpoint(f, x, policy=policy)).end_bytes
 
     nothing = forward_only(None)
     selective = forward_only(P.save_outputs_of("addmm"))
-    # The two addmm outputs: 64x256 and 64x32 float32, kept; the rest is not.
+    # The two addmm outputs: 64x256 and 64x32 float32, kept (tanh and square read
+    # them in backward); the rest is not.
     assert selective - nothing == (64 * 256 + 64 * 32) * 4
 
 
@@ -179,6 +180,40 @@ def test_kept_output_nothing_reads_is_not_kept():
     assert "aten.addmm" not in log.names and "aten.tanh" in log.names
     ours = [t.grad for t in (x, *lin1.parameters(), *lin2.parameters())]
     assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+
+
+@pytest.mark.parametrize("last", ["mask", "dropout"])
+def test_kept_output_only_the_last_kernel_reads_is_not_kept(last):
+    # The last op, a mul by a mask that does not require grad, saves only the mask; the
+    # re-run stops before its kernel (NOTE [early stop]), so the linear output it reads
+    # is not needed: the policy keeps nothing more than plain forget. Dropout on CPU
+    # reads the output's layout only (empty_like) and views it: still not needed.
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 256)
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def f(a):
+        if last == "mask":
+            return lin(a) * (a.detach().sum(1, keepdim=True) > 0).float()
+        return nn.functional.dropout(lin(a).view(64, 16, 16), 0.5, training=True)
+
+    def kept(policy):
+        torch.manual_seed(1)
+        return forget.measure(lambda: forget.checkpoint(f, x, policy=policy).grad_fn).end_bytes
+
+    assert kept(P.save_outputs_of("addmm")) == kept(None)
+    torch.manual_seed(1)
+    f(x).square().sum().backward()
+    plain = [t.grad.clone() for t in (x, *lin.parameters())]
+    for t in (x, *lin.parameters()):
+        t.grad = None
+    torch.manual_seed(1)
+    y = forget.checkpoint(f, x, policy=P.save_outputs_of("addmm"))
+    log = OpLog()
+    with log:
+        y.square().sum().backward()
+    assert "aten.addmm" not in log.names
+    assert all(torch.equal(a, t.grad) for a, t in zip(plain, (x, *lin.parameters()), strict=True))
 
 
 def test_save_everything_keeps_what_plain_autograd_keeps():

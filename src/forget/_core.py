@@ -184,6 +184,10 @@ class Region:
         self._rebuilt: dict[int, torch.Tensor] = {}
         self._pre_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._write_only: list[torch.Tensor] = []
+        # NOTE [early stop]: op position pending at the last pack, and positions of the
+        # ops that write into an argument (whose kernel must finish before a stop).
+        self._last_pack_at: int | None = None
+        self._writers: frozenset[int] = frozenset()
         self.recomputations = 0
 
     # -- forward -------------------------------------------------------------
@@ -191,6 +195,8 @@ class Region:
         index = len(self._meta)
         self._meta.append(_meta(t))
         action = None
+        if self._tracker is not None:
+            self._last_pack_at = self._tracker.position
         if self._tracker is not None and self._tracker.kept_storages:
             key = (t.device, t.untyped_storage().data_ptr())
             action = self._tracker.kept_storages.get(key)
@@ -249,7 +255,8 @@ class Region:
             self._tracker = None
         if tracker.used_rng:
             self._rng = rng
-        tracker.drop_unneeded_kept()
+        self._writers = frozenset(tracker.writers)
+        tracker.drop_unneeded_kept(stop=_stop_position(self._last_pack_at, self._writers))
         self._kept_ops = _offload_kept(tracker.kept)
         # Values before the forward's first write, so the re-run starts where it did.
         self._write_only = tracker.split_write_only()  # NOTE [write-only state]
@@ -290,6 +297,7 @@ class Region:
         # rebuilt tensors; so the hook reaches the region only through a weak reference.
         region_ref = weakref.ref(self)
         meta, check, name = self._meta, self.check, _name(self.func)
+        writers = self._writers
 
         def collect(t: torch.Tensor) -> torch.Tensor:
             nonlocal count
@@ -323,11 +331,7 @@ class Region:
                 region._rebuilt[index] = kept
                 needed.discard(index)
                 if not needed:
-                    # NOTE [early stop]: not here. An op's autograd layer saves its inputs
-                    # before its kernel runs, and the kernel may still write into one of
-                    # them (rrelu_with_noise fills its saved ``noise``). Stop when the next
-                    # op starts, once this one has finished.
-                    tracker.stop_after_current_op()
+                    tracker.stop_at(_stop_position(tracker.position, writers))
             # What the re-run's own graph keeps: a detached alias. The tensor itself
             # would, for an op's output, make a cycle through its grad_fn that the
             # garbage collector cannot see (it runs through C++), leaking the region.
@@ -393,6 +397,24 @@ class Region:
                     "gradients. Clone the tensor before modifying it, or modify it after "
                     "backward."
                 )
+
+
+def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
+    """Where a re-run may stop once the last tensor it needs is packed at ``pending``.
+
+    NOTE [early stop]: ``pending`` is the position of the next op to start when
+    the tensor was packed. The pack was either of an output of the op before it,
+    whose kernel has finished, or of an input of the op at ``pending``, whose
+    autograd layer saves its inputs before its kernel runs. Its kernel's output
+    is needed by nothing, so the re-run stops before it starts, unless it writes
+    into an argument, which may be the tensor just packed (rrelu_with_noise fills
+    its saved ``noise``): then it stops once that op has finished. Ops at the
+    returned position and after it do not run again; their inputs are not needed
+    (NOTE [unneeded kept outputs]).
+    """
+    if pending is None:
+        return None
+    return pending + 1 if pending in writers else pending
 
 
 def _offload_kept(kept: dict[int, tuple[str, Any, Any]]) -> dict[int, tuple[str, Any, Any]]:

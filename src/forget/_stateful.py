@@ -147,6 +147,48 @@ def _returns_fresh(op: Any) -> bool:
     return cached
 
 
+_VIEWS: dict[Any, bool] = {}
+
+# Ops that read only the shape, strides, dtype and device of their tensor input.
+_LAYOUT_ONLY = frozenset(
+    f"aten::{name}"
+    for name in (
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    )
+)
+
+
+def _reads_no_data(op: Any) -> bool:
+    """Whether an op reads no element of its inputs: views (``view``, ``t``, ``split``)
+    and ``empty_like`` and its kin, which read only the layout (cached per op).
+    """
+    cached = _VIEWS.get(op)
+    if cached is None:
+        schema = op._schema
+        if schema.name in _LAYOUT_ONLY:
+            _VIEWS[op] = True
+            return True
+        cached = bool(schema.returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        )
+        cached = cached and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+        )
+        _VIEWS[op] = cached
+    return cached
+
+
 def _is_seeded(op: Any) -> bool:
     cached = _SEEDED.get(op)
     if cached is None:
@@ -242,6 +284,8 @@ class StateTracker(TorchDispatchMode):
         self._seen: set[tuple[Any, ...]] = set()
         self._started = 0
         self._stop_at: int | None = None
+        #: Positions of the ops that wrote into an argument (NOTE [early stop]).
+        self.writers: set[int] = set()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -253,9 +297,14 @@ class StateTracker(TorchDispatchMode):
         """Whether ``t``'s memory was made by an op this tracker saw."""
         return _storage_key(t) in self._created
 
-    def stop_after_current_op(self) -> None:
-        """Raise `StopRecomputation` when the op after the current one starts."""
-        self._stop_at = self._started + 1
+    @property
+    def position(self) -> int:
+        """The position the next op to start will have (ops seen so far)."""
+        return self._started
+
+    def stop_at(self, position: int | None) -> None:
+        """Raise `StopRecomputation` when the op at ``position`` starts (NOTE [early stop])."""
+        self._stop_at = position
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -281,6 +330,7 @@ class StateTracker(TorchDispatchMode):
                 func, args = _without_stats(func, args)
             written = tuple((i, name) for i, name in written if i not in (3, 4))
         if written:
+            self.writers.add(position)
             targets = [
                 t
                 for i, name in written
@@ -301,7 +351,8 @@ class StateTracker(TorchDispatchMode):
                 self._note_write(t)
         elif not self._recomputing:
             self._note_reads(args, kwargs, ())
-        if self._trace_inputs:
+        if self._trace_inputs and not _reads_no_data(func):
+            # What reads a view reads its base's storage; layout needs no values.
             self._inputs[position] = {
                 _storage_key(t)
                 for value in (*args, *kwargs.values())
@@ -362,23 +413,28 @@ class StateTracker(TorchDispatchMode):
         for t in tensors:
             self.kept_storages[_storage_key(t)] = action
 
-    def drop_unneeded_kept(self) -> int:
+    def drop_unneeded_kept(self, stop: int | None = None) -> int:
         """Replace kept outputs that nothing will read by blanks; return the bytes freed.
 
         NOTE [unneeded kept outputs]: a policy keeps op outputs so that the re-run
         replays them instead of running their ops. A kept output is needed only if
         backward reads it (autograd packed its storage: ``packed``) or an op that
-        will re-run reads it. Walking the ops backwards settles this in one pass,
-        since an op reads only what earlier ops made. An unneeded one (a block's
+        will re-run reads its values (a view or ``empty_like`` reads none). Walking
+        the ops backwards settles this in one pass, since an op reads only what
+        earlier ops made. An unneeded one (a block's
         last matmul, whose output only the next block reads; under
         ``save_everything`` most outputs autograd does not save) is replayed as an
         uninitialized tensor of its shape, which nothing reads: without this a
-        policy could keep more than the plain run saves. Call once, after the
-        forward, when ``packed`` holds every kept storage the forward's pack saw.
+        policy could keep more than the plain run saves. Ops at ``stop`` and after
+        it never run again (NOTE [early stop]), so what they read is not needed.
+        Call once, after the forward, when ``packed`` holds every kept storage the
+        forward's pack saw.
         """
         needed = set(self.packed)
         freed = 0
         for position in sorted(set(self._inputs) | set(self.kept), reverse=True):
+            if stop is not None and position >= stop and position not in self.kept:
+                continue
             if position in self.kept:
                 if not self._kept_keys[position] & needed:
                     name, outputs, action = self.kept[position]
