@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from forget import _bench, cli
-from forget.models import MODEL_NAMES
+from forget.models import MODEL_NAMES, build_model
 
 VARIANTS = ["plain", "torch_checkpoint", "forget"]
 TINY = ["--size", "tiny", "--repeats", "1", "--quiet"]
@@ -43,13 +43,20 @@ def test_json_schema_is_exact(tiny_run):
 def test_selective_rows_on_the_gpt_blocks(tiny_run):
     _, data = tiny_run
     rows = data["selective"]
-    assert list(rows) == ["plain", "forget_all", "selective", "offload"]
+    assert list(rows) == ["plain", "forget_all", "selective", "selective_masks", "offload"]
     assert all(row["loss_equal_to_plain"] for row in rows.values())
     saved = {v: row["saved_bytes"] for v, row in rows.items()}
     # Keeping matmul and attention outputs sits between keeping all and keeping none;
     # on CPU offload is a no-op and keeps what selective keeps.
     assert saved["forget_all"] < saved["selective"] < saved["plain"]
     assert saved["offload"] == saved["selective"]
+    # Keeping the dropout masks costs exactly their bits (NOTE [kept draws]): per
+    # block the attention's B x H x T x T mask and two residual B x T x C masks.
+    gpt = build_model("tiny_gpt", "tiny")
+    b, t, c = gpt.batch_size, gpt.context, gpt.blocks[0].ln1.normalized_shape[0]
+    h = gpt.blocks[0].attn.heads
+    per_block = -(-b * h * t * t // 8) + 2 * -(-b * t * c // 8)
+    assert saved["selective_masks"] - saved["selective"] == len(gpt.blocks) * per_block
 
 
 def test_checkpointed_variants_peak_no_higher_than_plain(tiny_run):

@@ -60,3 +60,26 @@ def test_recomputation_frees_activations_on_cuda():
     kept = torch.cuda.memory_allocated() - base
     y.backward()
     assert kept < 4 * 1024 * 1024  # no 4 MiB activation kept: only a scalar output
+
+
+def test_kept_dropout_masks_on_cuda_replay_exactly():
+    # NOTE [kept draws]: CUDA dropout is native_dropout (fresh mask and output); kept,
+    # it is not drawn again, the CUDA generator is set to the state it left (so the
+    # draw after it matches), and the RNG after the step is the plain run's.
+    from forget import policies
+
+    x = torch.randn(128, 64, device="cuda", requires_grad=True)
+
+    def f(a):
+        h = nn.functional.dropout(a.sin(), 0.5)
+        return h * torch.rand_like(h)
+
+    torch.cuda.manual_seed(0)
+    f(x).sum().backward()
+    plain, after_plain = x.grad.clone(), torch.rand(4, device="cuda")
+    x.grad = None
+    torch.cuda.manual_seed(0)
+    y = forget.checkpoint(f, x, policy=policies.save_outputs_of(*policies.DROPOUT))
+    y.sum().backward()
+    assert torch.equal(plain, x.grad)
+    assert torch.equal(after_plain, torch.rand(4, device="cuda"))

@@ -115,24 +115,108 @@ def test_save_everything_does_not_rerun_anything():
     assert [o for o in ops if o != "aten.detach"] == [o for o in plain_ops if o != "aten.detach"]
 
 
-def test_random_ops_are_never_kept_by_a_policy():
-    x = torch.randn(64, requires_grad=True)
+def _dropout_then_draw(a):
+    # Dropout (CPU: empty_like, bernoulli_, div_, mul), then a draw after it (rand_like).
+    h = nn.functional.dropout(a.exp(), 0.5, training=True).sin()
+    return h * torch.rand_like(h)
 
-    def f(a):
-        return nn.functional.dropout(a.exp(), 0.5, training=True).sin()
 
+@pytest.mark.parametrize(
+    ("policy", "redrawn", "extra_bytes"),
+    [
+        # The 64x33 mask as bits: 2112 / 8 bytes; rand_like drawn again after it.
+        (P.save_outputs_of("exp", "bernoulli_"), ["aten.rand_like"], 264),
+        # Both draws kept: nothing drawn again; rand_like's output kept as it is.
+        (P.save_outputs_of("exp", "bernoulli_", "rand_like"), [], 264 + 64 * 33 * 4),
+        # Nothing kept: both drawn again from the replayed RNG.
+        (P.save_outputs_of("exp"), ["aten.bernoulli_", "aten.rand_like"], 0),
+    ],
+)
+def test_kept_draws_replay_exactly(policy, redrawn, extra_bytes):
+    # NOTE [kept draws]: a kept draw is not drawn again; its values are written back
+    # and the generator set to the state it left, so later draws, gradients and the
+    # RNG after the step are the plain run's.
+    x = torch.randn(64, 33, requires_grad=True)
     torch.manual_seed(0)
-    f(x).sum().backward()
-    g0 = x.grad.clone()
+    _dropout_then_draw(x).sum().backward()
+    g0, after0 = x.grad.clone(), torch.rand(3)
     x.grad = None
     torch.manual_seed(0)
-    y = forget.checkpoint(f, x, policy=P.save_outputs_of("exp", "bernoulli"))
+    y = forget.checkpoint(_dropout_then_draw, x, policy=policy)
     log = OpLog()
     with log:
         y.sum().backward()
-    assert torch.equal(g0, x.grad)
-    assert "aten.bernoulli_" in log.names  # the mask is drawn again, from the replayed RNG
+    assert torch.equal(g0, x.grad) and torch.equal(after0, torch.rand(3))
+    assert [o for o in log.names if o in ("aten.bernoulli_", "aten.rand_like")] == redrawn
     assert "aten.exp" not in log.names  # the kept exp output is replayed, not recomputed
+
+    def kept(p):
+        return forget.measure(lambda: forget.checkpoint(_dropout_then_draw, x, policy=p).grad_fn)
+
+    assert kept(policy).end_bytes - kept(P.save_outputs_of("exp")).end_bytes == extra_bytes
+
+
+def test_kept_draws_under_double_backward():
+    # Under create_graph every op runs again, draws too, from the region's RNG state.
+    x = torch.randn(5, 16, requires_grad=True)
+
+    def f(a):
+        return (nn.functional.dropout(a.sin(), 0.3, training=True) * a).sum()
+
+    torch.manual_seed(0)
+    (g0,) = torch.autograd.grad(f(x), x, create_graph=True)
+    (gg0,) = torch.autograd.grad(g0.sum(), x)
+    torch.manual_seed(0)
+    y = forget.checkpoint(f, x, policy=P.save_outputs_of(*P.DROPOUT))
+    (g1,) = torch.autograd.grad(y, x, create_graph=True)
+    (gg1,) = torch.autograd.grad(g1.sum(), x)
+    assert torch.equal(g0, g1) and torch.equal(gg0, gg1)
+
+
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+@pytest.mark.parametrize("shape", [(1,), (7,), (8,), (3, 5, 11), (64, 0)])
+def test_bits_round_trip_in_logical_order(shape, byteorder, monkeypatch):
+    # The int64 gather on little-endian machines, a byte loop elsewhere: same bits.
+    from forget import _stateful
+    from forget._stateful import _pack_bits, _unpack_bits
+
+    monkeypatch.setattr(_stateful.sys, "byteorder", byteorder)
+    torch.manual_seed(0)
+    t = torch.empty(shape).bernoulli_(0.5)
+    for view in (t, t.transpose(0, -1)):
+        bits = _pack_bits(view)
+        assert bits.numel() == -(-view.numel() // 8)
+        expected = sum(int(v) << (i % 8) for i, v in enumerate(view.reshape(-1)) if i < 8)
+        assert view.numel() == 0 or bits[0] == expected
+        out = torch.empty_like(view).copy_(_unpack_bits(bits, view.numel()).view(view.shape))
+        assert torch.equal(out, view)
+
+
+@pytest.mark.parametrize(
+    "policy", [None, P.save_outputs_of("bernoulli_"), P.save_outputs_of("bernoulli_", "uniform_")]
+)
+def test_draws_from_an_explicit_generator_replay_exactly(policy):
+    # NOTE [explicit generators]: drawn again from the state the generator had when the
+    # region first drew from it, or kept with the generator's own state.
+    x = torch.randn(32, requires_grad=True)
+    gen = torch.Generator()
+
+    def f(a):
+        h = a.sin() * torch.empty_like(a).bernoulli_(0.5, generator=gen)
+        return h * torch.empty_like(a).uniform_(generator=gen)
+
+    gen.manual_seed(3)
+    f(x).sum().backward()
+    g0, after0 = x.grad.clone(), torch.rand(4, generator=gen)
+    x.grad = None
+    gen.manual_seed(3)
+    y = forget.checkpoint(f, x, policy=policy)
+    torch.rand(5, generator=gen)  # the caller draws between forward and backward
+    y.sum().backward()
+    assert torch.equal(g0, x.grad)
+    gen.manual_seed(3)
+    forget.checkpoint(f, x, policy=policy).sum().backward()
+    assert torch.equal(after0, torch.rand(4, generator=gen))
 
 
 def test_ledger_shows_exactly_the_saved_matmul_outputs():

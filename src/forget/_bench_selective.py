@@ -10,6 +10,10 @@ each of these variants, side by side in one run:
   layers' matmuls and of fused attention kernels, and recomputes the rest:
   the attention core (the T x T scores, softmax and its dropout), LayerNorm,
   GELU, dropout (Korthikanti et al. 2022's selective recomputation);
+- ``selective_masks``: the same, and it keeps the dropout masks too
+  (`policies.DROPOUT`, as bits: NOTE [kept draws]), so the re-run draws no
+  random numbers; on CPU the T x T mask's ``bernoulli_`` is the costliest op of
+  the recomputed attention core;
 - ``offload``: the same outputs offloaded to host memory (on CPU a no-op:
   it then equals ``selective``, and the row says so).
 
@@ -35,9 +39,10 @@ from forget.models import build_model
 
 __all__ = ["VARIANTS", "format_rows", "run"]
 
-VARIANTS = ("plain", "forget_all", "selective", "offload")
+VARIANTS = ("plain", "forget_all", "selective", "selective_masks", "offload")
 
 SELECTIVE = policies.save_outputs_of(*policies.LINEAR, *policies.ATTENTION)
+SELECTIVE_MASKS = policies.save_outputs_of(*policies.LINEAR, *policies.ATTENTION, *policies.DROPOUT)
 OFFLOAD = policies.offload_outputs_of(*policies.LINEAR, *policies.ATTENTION)
 
 # Selective recomputation targets long sequences, where attention's T x T tensors
@@ -49,7 +54,12 @@ OVERRIDES: dict[str, dict[str, int]] = {"default": {"context": 512, "width": 256
 def _wrap(variant: str) -> Callable[[nn.Module, torch.Tensor], torch.Tensor] | None:
     if variant == "plain":
         return None
-    policy = {"forget_all": None, "selective": SELECTIVE, "offload": OFFLOAD}[variant]
+    policy = {
+        "forget_all": None,
+        "selective": SELECTIVE,
+        "selective_masks": SELECTIVE_MASKS,
+        "offload": OFFLOAD,
+    }[variant]
     return lambda block, h: forget.checkpoint(block, h, policy=policy)
 
 
@@ -95,13 +105,13 @@ def format_rows(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
         "selective recomputation on the TinyGPT blocks (policies, forget.checkpoint per block;"
         " selective keeps linear-layer matmul outputs, recomputes attention's core)",
-        f"{'variant':<12}{'peak MiB':>10}{'saved MiB':>11}{'step ms':>9}"
+        f"{'variant':<16}{'peak MiB':>10}{'saved MiB':>11}{'step ms':>9}"
         f"{'saved plain/x':>15}{'peak plain/x':>14}{'time x/plain':>14}",
     ]
     for v in VARIANTS:
         r = rows[v]
         lines.append(
-            f"{v:<12}{r['peak_bytes'] / 2**20:>10.2f}{r['saved_bytes'] / 2**20:>11.2f}"
+            f"{v:<16}{r['peak_bytes'] / 2**20:>10.2f}{r['saved_bytes'] / 2**20:>11.2f}"
             f"{r['step_s'] * 1e3:>9.1f}{plain['saved_bytes'] / max(r['saved_bytes'], 1):>15.2f}"
             f"{plain['peak_bytes'] / max(r['peak_bytes'], 1):>14.2f}"
             f"{r['step_s'] / plain['step_s']:>14.2f}"

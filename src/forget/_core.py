@@ -25,9 +25,10 @@ they are detached and the recomputation's graph is dropped at once.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -160,6 +161,8 @@ class Region:
         self.policy = None if policy is None or policy.saves_nothing else policy
         self._tracker: StateTracker | None = None
         self._kept_ops: dict[int, tuple[str, Any, Any]] = {}
+        self._draw_states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
         self._offloaded: list[weakref.ref[_Slot]] = []
         self._prefetched = False
         self.check = check
@@ -197,11 +200,12 @@ class Region:
         action = None
         if self._tracker is not None:
             self._last_pack_at = self._tracker.position
-        if self._tracker is not None and self._tracker.kept_storages:
+        tracker = self._tracker
+        if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
             key = (t.device, t.untyped_storage().data_ptr())
-            action = self._tracker.kept_storages.get(key)
-            if action is not None:
-                self._tracker.packed.add(key)  # NOTE [unneeded kept outputs]
+            action = tracker.kept_storages.get(key)
+            if action is not None or key in tracker.drawn_storages:
+                tracker.packed.add(key)  # NOTE [unneeded kept outputs]
         slot: _Slot
         if action is None and _external(t):
             with hidden():
@@ -254,10 +258,14 @@ class Region:
             _packers.trackers.pop()
             self._tracker = None
         if tracker.used_rng:
+            # Also when every draw is kept: under create_graph the re-run draws again.
             self._rng = rng
+            tracker.prune_draw_states()
+        self._generators = tracker.generators
         self._writers = frozenset(tracker.writers)
         tracker.drop_unneeded_kept(stop=_stop_position(self._last_pack_at, self._writers))
         self._kept_ops = _offload_kept(tracker.kept)
+        self._draw_states = tracker.draw_states
         # Values before the forward's first write, so the re-run starts where it did.
         self._write_only = tracker.split_write_only()  # NOTE [write-only state]
         self._pre_forward = tracker.snapshots
@@ -290,6 +298,7 @@ class Region:
             replay=None if keep_graph else _fetch_kept(self._kept_ops),
             recomputing=True,
             skip=self._write_only,
+            replay_states=None if keep_graph else self._draw_states,
         )
 
         # The re-run's graph holds this hook (in C++, out of the garbage collector's
@@ -351,6 +360,7 @@ class Region:
         after_forward = current_values(self._pre_forward)
         restore(self._pre_forward)
         rng = self._rng.replayed() if self._rng is not None else _null()
+        generators = _replayed(self._generators)
         extra = self.recompute_context() if self.recompute_context is not None else _null()
         self.recomputations += 1
         _packers.stack.append(collect)
@@ -360,6 +370,7 @@ class Region:
                 recomputing(),
                 torch.enable_grad(),
                 rng,
+                generators,
                 self._autocast.replayed(),
                 extra,
                 torch.autograd.graph.saved_tensors_hooks(collect, _identity),
@@ -440,6 +451,25 @@ def _fetch_kept(kept: dict[int, tuple[str, Any, Any]]) -> dict[int, tuple[str, A
         )
         for position, (name, outputs, action) in kept.items()
     }
+
+
+@contextlib.contextmanager
+def _replayed(generators: list[tuple[torch.Generator, torch.Tensor]]) -> Iterator[None]:
+    """Set generators to the states they had in the forward; put them back after.
+
+    NOTE [explicit generators]: a random op given ``generator=`` draws from a
+    generator the default-RNG replay does not touch. The forward notes each such
+    generator's state before its first draw in the region (nothing in the
+    region drew from it before), and the re-run starts it there.
+    """
+    now = [(g, g.get_state()) for g, _ in generators]
+    for g, state in generators:
+        g.set_state(state)
+    try:
+        yield
+    finally:
+        for g, state in now:
+            g.set_state(state)
 
 
 class _null:

@@ -31,6 +31,7 @@ tensor per op, and read by nothing else, is write-only.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -261,6 +262,7 @@ class StateTracker(TorchDispatchMode):
         replay: dict[int, tuple[str, Any, Any]] | None = None,
         recomputing: bool = False,
         skip: list[torch.Tensor] | None = None,
+        replay_states: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None,
     ) -> None:
         super().__init__()
         self._recomputing = recomputing
@@ -272,6 +274,14 @@ class StateTracker(TorchDispatchMode):
         self._replay = replay
         self.kept: dict[int, tuple[str, Any, Any]] = {}
         self.kept_storages: dict[tuple[torch.device, int], Any] = {}
+        #: Storages kept draws fill: rebuilt by the re-run, needed if autograd saves them.
+        self.drawn_storages: set[tuple[torch.device, int]] = set()
+        #: NOTE [kept draws]: position -> (generator, its state after the draw).
+        self.draw_states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self._seeded: list[int] = []
+        #: NOTE [explicit generators]: (generator, state before its first draw).
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        self._replay_states = replay_states or {}
         # NOTE [unneeded kept outputs]: storages each op read (ops that will re-run)
         # and made (kept ops), by position; forward with a policy only.
         self._trace_inputs = decide is not None and not recomputing
@@ -320,9 +330,24 @@ class StateTracker(TorchDispatchMode):
             name, outputs, _ = self._replay[position]
             if name != str(func):
                 raise _ReplayMismatch(name, str(func), position)
+            state = self._replay_states.get(position)
+            if state is not None:
+                state[0].set_state(state[1])  # NOTE [kept draws]
+            if isinstance(outputs, _KeptDraw):
+                return outputs.replay(func, args, kwargs)
             return _fresh_aliases(_filled(outputs))
-        if not self.used_rng and _is_seeded(func):
+        if _is_seeded(func):
             self.used_rng = True
+            self._seeded.append(position)
+            generator = kwargs.get("generator")
+            if (
+                generator is not None
+                and not self._recomputing
+                and all(g is not generator for g, _ in self.generators)
+            ):
+                # NOTE [explicit generators]: its state before its first draw here.
+                with hidden():
+                    self.generators.append((generator, generator.get_state()))
         written = _written_args(func)
         if written and _stats_update(func, args):
             # NOTE [write-only statistics]
@@ -365,8 +390,10 @@ class StateTracker(TorchDispatchMode):
             for t in tensors:
                 if t.numel():
                     self._created.add(_storage_key(t))
-            if self._decide is not None and tensors and not _is_seeded(func):
-                self._keep(position, func, out, tensors)
+            if self._decide is not None and tensors:
+                self._keep(position, func, args, kwargs, out, tensors)
+        elif self._decide is not None and _is_seeded(func) and _draw_into(func) is not None:
+            self._keep(position, func, args, kwargs, out, [])
         return out
 
     def _note_reads(
@@ -401,17 +428,61 @@ class StateTracker(TorchDispatchMode):
         self._reads = set()
         return write_only
 
-    def _keep(self, position: int, func: Any, out: Any, tensors: list[torch.Tensor]) -> None:
+    def _keep(
+        self,
+        position: int,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        tensors: list[torch.Tensor],
+    ) -> None:
+        """Keep an op's outputs if the policy says so; ``tensors`` empty: an in-place draw."""
         assert self._decide is not None
-        nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
+        seeded = _is_seeded(func)
+        into = _draw_into(func) if seeded and not tensors else None
+        target = args[into] if into is not None and into < len(args) else None
+        generator = None
+        if seeded:
+            generator = _generator(target if target is not None else tensors, kwargs)
+            if generator is None:
+                return  # a device whose generator we do not know: drawn again
+        measured = tensors if target is None else [target]
+        nbytes = sum(t.untyped_storage().nbytes() for t in measured)
         action = self._decide(str(func), nbytes)
         if action.value == "recompute":
+            return
+        if generator is not None:
+            with hidden():
+                self.draw_states[position] = (generator, generator.get_state())
+        if target is not None:
+            # NOTE [kept draws]: its own copy (bits for bernoulli_), not the target's
+            # memory, which later ops may write into (dropout's div_) and autograd saves;
+            # those saves are rebuilt by the re-run from the replayed values.
+            self.kept[position] = (str(func), _KeptDraw(func, target), action)
+            self._kept_keys[position] = {_storage_key(target)}
+            self.drawn_storages.add(_storage_key(target))
+            self._inputs.pop(position, None)
             return
         self.kept[position] = (str(func), _fresh_aliases(out), action)
         self._kept_keys[position] = {_storage_key(t) for t in tensors}
         self._inputs.pop(position, None)  # replayed, not re-run: reads nothing
         for t in tensors:
             self.kept_storages[_storage_key(t)] = action
+
+    def prune_draw_states(self) -> None:
+        """Keep only the generator states a re-run needs.
+
+        NOTE [kept draws]: the state after a kept draw is needed only if a random op
+        that is drawn again (not kept) follows it before the next kept draw. Call
+        once, after the forward.
+        """
+        needed: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        for here, after in zip(self._seeded, [*self._seeded[1:], None], strict=True):
+            state = self.draw_states.get(here)
+            if state is not None and after is not None and after not in self.draw_states:
+                needed[here] = state
+        self.draw_states = needed
 
     def drop_unneeded_kept(self, stop: int | None = None) -> int:
         """Replace kept outputs that nothing will read by blanks; return the bytes freed.
@@ -438,11 +509,16 @@ class StateTracker(TorchDispatchMode):
             if position in self.kept:
                 if not self._kept_keys[position] & needed:
                     name, outputs, action = self.kept[position]
+                    if isinstance(outputs, _KeptDraw):
+                        freed += outputs.nbytes
+                        self.kept[position] = (name, outputs.blank(), action)
+                        continue
                     freed += sum(t.untyped_storage().nbytes() for t in _tensors(outputs))
                     self.kept[position] = (name, _blanks(outputs), action)
             else:
                 needed |= self._inputs[position]
         self._inputs, self._kept_keys, self.kept_storages = {}, {}, {}
+        self.drawn_storages = set()
         return freed
 
     def _copy_kept_before_write(self, t: torch.Tensor) -> None:
@@ -465,6 +541,136 @@ class StateTracker(TorchDispatchMode):
             return
         self._seen.add(key)
         self.snapshots.append((t, t.detach().clone()))
+
+
+_DRAW_INTO: dict[Any, int | None] = {}
+
+
+def _draw_into(op: Any) -> int | None:
+    """The argument an in-place random op fills and returns (``bernoulli_``: 0), else None.
+
+    Ops that also make new memory or write elsewhere (``rrelu_with_noise``, ``out=``
+    variants that return views) are not in-place draws; they are always re-drawn.
+    """
+    if op in _DRAW_INTO:
+        return _DRAW_INTO[op]
+    schema = op._schema
+    written = [
+        i
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+    into = None
+    if (
+        len(written) == 1
+        and len(schema.returns) == 1
+        and not schema.arguments[written[0]].kwarg_only
+    ):
+        ret = schema.returns[0].alias_info
+        arg = schema.arguments[written[0]].alias_info
+        if ret is not None and arg is not None and ret.before_set == arg.before_set:
+            into = written[0]
+    _DRAW_INTO[op] = into
+    return into
+
+
+def _generator(
+    where: torch.Tensor | list[torch.Tensor], kwargs: dict[str, Any]
+) -> torch.Generator | None:
+    """The generator a random op draws from: its ``generator=``, or the default one of
+    CPU or CUDA; None if not known."""
+    if kwargs.get("generator") is not None:
+        return kwargs["generator"]
+    tensors = [where] if isinstance(where, torch.Tensor) else where
+    if not tensors:
+        return None
+    device = tensors[0].device
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+class _KeptDraw:
+    """The values an in-place random op wrote, kept to be written again in the re-run.
+
+    NOTE [kept draws]: a policy may keep a random draw. The forward notes the
+    generator's state right after the draw; the re-run writes the kept values
+    into the op's target instead of drawing, and sets the generator to that
+    state, so every op after it draws what it drew in the forward. ``bernoulli_``
+    (dropout's mask on CPU) draws only 0 and 1: kept as bits, 1/32 of float32.
+    Other in-place draws keep a copy. A blank (nothing reads the values) writes
+    nothing.
+    """
+
+    __slots__ = ("bits", "numel", "values")
+
+    def __init__(self, func: Any, target: torch.Tensor | None) -> None:
+        self.values: torch.Tensor | None = None
+        self.bits: torch.Tensor | None = None
+        self.numel = 0
+        if target is None:
+            return
+        with hidden(), torch.no_grad():
+            if func._schema.name == "aten::bernoulli_":
+                self.numel = target.numel()
+                self.bits = _pack_bits(target)
+            else:
+                self.values = target.detach().clone()
+
+    @property
+    def nbytes(self) -> int:
+        kept = self.bits if self.bits is not None else self.values
+        return 0 if kept is None else kept.untyped_storage().nbytes()
+
+    def blank(self) -> _KeptDraw:
+        return _KeptDraw(None, None)
+
+    def replay(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        into = _draw_into(func)
+        assert into is not None
+        target = args[into]
+        with hidden(), torch.no_grad():
+            if self.bits is not None:
+                target.copy_(_unpack_bits(self.bits, self.numel).view(target.shape))
+            elif self.values is not None:
+                target.copy_(self.values)
+        return target
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+# Multiplying eight 0/1 bytes, read as one little-endian int64, by this gathers
+# byte k's bit at bit 56 + k, with no carries between the partial products.
+_GATHER = 0x0102040810204080
+
+
+def _pack_bits(t: torch.Tensor) -> torch.Tensor:
+    """Pack a tensor of zeros and ones into uint8, eight elements a byte, in logical order."""
+    flat = t.reshape(-1) != 0
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    if sys.byteorder == "little":
+        words = flat.view(torch.uint8).view(torch.int64)
+        return ((words * _GATHER) >> 56).to(torch.uint8)
+    b = flat.view(-1, 8).view(torch.uint8)
+    packed = b[:, 0].clone()
+    for i in range(1, 8):
+        packed |= b[:, i] << i
+    return packed
+
+
+def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The uint8 zeros and ones `_pack_bits` packed, ``numel`` of them."""
+    shifts = _SHIFTS.get(packed.device)
+    if shifts is None:
+        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        _SHIFTS[packed.device] = shifts
+    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:numel]
 
 
 class _ReplayMismatch(RecomputationMismatchError):

@@ -15,8 +15,11 @@ memory (views and in-place results follow their base), with the op's name
 (``"aten.mm"``) and the bytes of its outputs. An output a policy saves is
 kept (memory) and the op is *not* re-run in backward: its kept output is
 replayed; ``offload`` keeps it in host memory instead of on the device.
-Ops that draw random numbers (dropout) are always recomputed, so the
-replayed random stream stays exact.
+A policy may keep a random draw too (`DROPOUT`: dropout's masks): the re-run
+writes the kept values back instead of drawing, and sets the generator to the
+state the draw left, so every later draw is the forward's. A ``bernoulli_``
+mask is kept as bits, 1/32 of its float32 bytes. Draws a policy does not
+keep are drawn again from the replayed RNG state.
 
 This module imports no torch: policies are plain values, usable by the
 planner (`forget.plan`) as per-stage options.
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "ATTENTION",
     "CONV",
+    "DROPOUT",
     "LINEAR",
     "MATMUL",
     "Action",
@@ -68,6 +72,10 @@ MATMUL: tuple[str, ...] = (
 # T x T scores that selective recomputation (Korthikanti et al.) drops and recomputes.
 LINEAR: tuple[str, ...] = ("aten.mm", "aten.addmm", "aten._addmm_activation")
 CONV: tuple[str, ...] = ("aten.convolution", "aten._convolution", "aten.mkldnn_convolution")
+# The random masks of dropout: drawn in place by bernoulli_ (CPU, and the math
+# path of scaled_dot_product_attention), by native_dropout on CUDA. Kept, they
+# spare the re-run the draw (on CPU the costliest op of a recomputed attention core).
+DROPOUT: tuple[str, ...] = ("aten.bernoulli_", "aten.native_dropout")
 ATTENTION: tuple[str, ...] = (
     "aten._scaled_dot_product_flash_attention",
     "aten._scaled_dot_product_flash_attention_for_cpu",
