@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 
 import numpy as np
 import pytest
@@ -435,3 +436,39 @@ def test_buffers_restored_after_recomputation_bitwise():
         forget.forget(forget_bn, x).square().sum().backward()
     for a, b in zip(plain_bn.state_dict().values(), forget_bn.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("make", "tracked"),
+    [
+        (lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Dropout(0.5)), False),
+        (lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()), True),
+        (lambda: lambda a: forget.forget(torch.tanh, a.exp()).sin(), True),
+    ],
+    ids=["stateless", "batchnorm", "nested"],
+)
+def test_re_run_watches_ops_only_where_the_forward_needed_it(monkeypatch, make, tracked):
+    # NOTE [plain re-run]: no policy, no outside state written, no region inside: the
+    # re-run needs no dispatch mode. Gradients are the plain run's either way.
+    from forget import _core
+
+    made: list[bool] = []
+
+    class Counting(_core.StateTracker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(bool(kwargs.get("recomputing")))
+
+    monkeypatch.setattr(_core, "StateTracker", Counting)
+    torch.manual_seed(0)
+    f = make()
+    g = copy.deepcopy(f)
+    x = torch.randn(8, 4, requires_grad=True)
+    torch.manual_seed(1)
+    f(x).square().sum().backward()
+    plain = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(1)
+    forget.forget(g, x).square().sum().backward()
+    assert (True in made) == tracked
+    assert torch.equal(plain, x.grad)

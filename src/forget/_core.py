@@ -17,6 +17,15 @@ its inputs through the enclosing region's pack, so the enclosing region
 keeps none of them; they are rebuilt by the enclosing recomputation when the
 inner region needs them.
 
+NOTE [plain re-run]: the dispatch mode of NOTE [state tracking] costs a few
+microseconds per op. A re-run needs it only to put back outside state, to
+leave running statistics alone, to replay a policy's kept outputs or to tell
+a nested region which tensors are the re-run's own. A region whose forward had
+no policy, wrote into nothing it did not make and started no region re-runs
+without it; the early stop then raises from the pack hook itself (the op whose
+inputs it packs does not run, as in torch's checkpoint), or, after an op that
+writes into an argument, at the next pack of a later op.
+
 NOTE [double backward]: when backward runs with ``create_graph=True`` the
 collected tensors keep their history from the recomputation (which ran on
 the original inputs), so second derivatives flow through them; otherwise
@@ -172,6 +181,8 @@ class Region:
         self._tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in self._tensor_pos]
         outer = _packers.stack[-1] if _packers.stack else None
+        if _packers.trackers:
+            _packers.trackers[-1].nested = True  # NOTE [plain re-run]
         # NOTE [nesting]: inputs go through the enclosing region's pack.
         self._forward_flat: list[Any] | None = list(flat)  # dropped after the forward
         self._flat = list(flat)
@@ -191,6 +202,8 @@ class Region:
         # ops that write into an argument (whose kernel must finish before a stop).
         self._last_pack_at: int | None = None
         self._writers: frozenset[int] = frozenset()
+        self._pack_positions: list[int] = []
+        self._plain_rerun = False
         self.recomputations = 0
 
     # -- forward -------------------------------------------------------------
@@ -200,6 +213,7 @@ class Region:
         action = None
         if self._tracker is not None:
             self._last_pack_at = self._tracker.position
+        self._pack_positions.append(self._last_pack_at if self._last_pack_at is not None else -1)
         tracker = self._tracker
         if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
             key = (t.device, t.untyped_storage().data_ptr())
@@ -263,6 +277,8 @@ class Region:
             tracker.prune_draw_states()
         self._generators = tracker.generators
         self._writers = frozenset(tracker.writers)
+        # NOTE [plain re-run]
+        self._plain_rerun = self.policy is None and not tracker.touched_state and not tracker.nested
         tracker.drop_unneeded_kept(stop=_stop_position(self._last_pack_at, self._writers))
         self._kept_ops = _offload_kept(tracker.kept)
         self._draw_states = tracker.draw_states
@@ -294,12 +310,20 @@ class Region:
         count = 0
         # NOTE [policy replay]: kept op outputs stand in for their ops, except under
         # create_graph, where the ops run again so their outputs carry history.
-        tracker = StateTracker(
-            replay=None if keep_graph else _fetch_kept(self._kept_ops),
-            recomputing=True,
-            skip=self._write_only,
-            replay_states=None if keep_graph else self._draw_states,
+        # NOTE [plain re-run]: a region with no policy that wrote no outside state and
+        # started no region re-runs without a dispatch mode.
+        tracker = (
+            None
+            if self._plain_rerun
+            else StateTracker(
+                replay=None if keep_graph else _fetch_kept(self._kept_ops),
+                recomputing=True,
+                skip=self._write_only,
+                replay_states=None if keep_graph else self._draw_states,
+            )
         )
+        positions = self._pack_positions
+        past: list[int] = []  # without a tracker: stop at the first pack after this op
 
         # The re-run's graph holds this hook (in C++, out of the garbage collector's
         # sight) and, under create_graph, the region holds that graph through the
@@ -314,6 +338,8 @@ class Region:
             count += 1
             region = region_ref()
             if region is None or not needed:
+                if past and index < len(positions) and positions[index] > past[0]:
+                    raise StopRecomputation
                 with hidden():
                     return t.detach()
             if index >= len(meta):
@@ -340,7 +366,12 @@ class Region:
                 region._rebuilt[index] = kept
                 needed.discard(index)
                 if not needed:
-                    tracker.stop_at(_stop_position(tracker.position, writers))
+                    if tracker is not None:
+                        tracker.stop_at(_stop_position(tracker.position, writers))
+                    elif _stop_position(positions[index], writers) == positions[index]:
+                        raise StopRecomputation  # from inside the pack: the op does not run
+                    else:
+                        past.append(positions[index])
             # What the re-run's own graph keeps: a detached alias. The tensor itself
             # would, for an op's output, make a cycle through its grad_fn that the
             # garbage collector cannot see (it runs through C++), leaking the region.
@@ -364,7 +395,8 @@ class Region:
         extra = self.recompute_context() if self.recompute_context is not None else _null()
         self.recomputations += 1
         _packers.stack.append(collect)
-        _packers.trackers.append(tracker)
+        if tracker is not None:
+            _packers.trackers.append(tracker)
         try:
             with (
                 recomputing(),
@@ -374,15 +406,16 @@ class Region:
                 self._autocast.replayed(),
                 extra,
                 torch.autograd.graph.saved_tensors_hooks(collect, _identity),
-                tracker,
+                tracker if tracker is not None else _null(),
             ):
                 self.func(*args, **kwargs)
         except StopRecomputation:
             pass
         finally:
             _packers.stack.pop()
-            _packers.trackers.pop()
-            restore(tracker.snapshots)
+            if tracker is not None:
+                _packers.trackers.pop()
+                restore(tracker.snapshots)
             restore(after_forward)
             for slot, before in zip(external, versions_before, strict=True):
                 assert slot.version is not None and isinstance(slot.value, torch.Tensor)
