@@ -296,6 +296,10 @@ class StateTracker(TorchDispatchMode):
         self._stop_at: int | None = None
         #: Positions of the ops that wrote into an argument (NOTE [early stop]).
         self.writers: set[int] = set()
+        #: NOTE [plain re-run]: whether an op wrote into outside state (or updated
+        #: running statistics), and whether a region started inside this one.
+        self.touched_state = False
+        self.nested = False
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -350,6 +354,7 @@ class StateTracker(TorchDispatchMode):
                     self.generators.append((generator, generator.get_state()))
         written = _written_args(func)
         if written and _stats_update(func, args):
+            self.touched_state = True
             # NOTE [write-only statistics]
             if self._recomputing:
                 func, args = _without_stats(func, args)
@@ -540,6 +545,7 @@ class StateTracker(TorchDispatchMode):
         if key in self._seen:
             return
         self._seen.add(key)
+        self.touched_state = True
         self.snapshots.append((t, t.detach().clone()))
 
 
