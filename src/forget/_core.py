@@ -218,8 +218,10 @@ class Region:
         if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
             key = (t.device, t.untyped_storage().data_ptr())
             action = tracker.kept_storages.get(key)
-            if action is not None or key in tracker.drawn_storages:
+            if action is not None:
                 tracker.packed.add(key)  # NOTE [unneeded kept outputs]
+            elif (drawn := tracker.drawn_storages.get(key)) is not None:
+                tracker.packed_draws.add(drawn)  # NOTE [kept draws]
         slot: _Slot
         if action is None and _external(t):
             with hidden():

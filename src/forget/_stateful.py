@@ -274,8 +274,13 @@ class StateTracker(TorchDispatchMode):
         self._replay = replay
         self.kept: dict[int, tuple[str, Any, Any]] = {}
         self.kept_storages: dict[tuple[torch.device, int], Any] = {}
-        #: Storages kept draws fill: rebuilt by the re-run, needed if autograd saves them.
-        self.drawn_storages: set[tuple[torch.device, int]] = set()
+        #: NOTE [kept draws]: the live storages kept draws filled -> draw position, and
+        #: the draws autograd saved (``packed_draws``) or a re-run op read, by position.
+        #: Their storages may die in the forward and their addresses be reused, so
+        #: what reads them is settled while they live, by position, not by address.
+        self.drawn_storages: dict[tuple[torch.device, int], int] = {}
+        self.packed_draws: set[int] = set()
+        self._draw_readers: dict[int, set[int]] = {}
         #: NOTE [kept draws]: position -> (generator, its state after the draw).
         self.draw_states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self._seeded: list[int] = []
@@ -383,18 +388,25 @@ class StateTracker(TorchDispatchMode):
             self._note_reads(args, kwargs, ())
         if self._trace_inputs and not _reads_no_data(func):
             # What reads a view reads its base's storage; layout needs no values.
-            self._inputs[position] = {
+            keys = {
                 _storage_key(t)
                 for value in (*args, *kwargs.values())
                 for t in _tensors(value)
                 if t.device.type != "meta"
             }
+            if self.drawn_storages and (drawn := keys & self.drawn_storages.keys()):
+                self._draw_readers[position] = {self.drawn_storages[k] for k in drawn}
+                keys -= drawn
+            self._inputs[position] = keys
         out = func(*args, **kwargs)
         if _returns_fresh(func):
             tensors = _tensors(out)
             for t in tensors:
                 if t.numel():
-                    self._created.add(_storage_key(t))
+                    key = _storage_key(t)
+                    self._created.add(key)
+                    if self.drawn_storages:
+                        self.drawn_storages.pop(key, None)  # its address reused: it died
             if self._decide is not None and tensors:
                 self._keep(position, func, args, kwargs, out, tensors)
         elif self._decide is not None and _is_seeded(func) and _draw_into(func) is not None:
@@ -465,13 +477,14 @@ class StateTracker(TorchDispatchMode):
             # memory, which later ops may write into (dropout's div_) and autograd saves;
             # those saves are rebuilt by the re-run from the replayed values.
             self.kept[position] = (str(func), _KeptDraw(func, target), action)
-            self._kept_keys[position] = {_storage_key(target)}
-            self.drawn_storages.add(_storage_key(target))
+            self.drawn_storages[_storage_key(target)] = position
             self._inputs.pop(position, None)
+            self._draw_readers.pop(position, None)
             return
         self.kept[position] = (str(func), _fresh_aliases(out), action)
         self._kept_keys[position] = {_storage_key(t) for t in tensors}
         self._inputs.pop(position, None)  # replayed, not re-run: reads nothing
+        self._draw_readers.pop(position, None)
         for t in tensors:
             self.kept_storages[_storage_key(t)] = action
 
@@ -507,23 +520,25 @@ class StateTracker(TorchDispatchMode):
         forward's pack saw.
         """
         needed = set(self.packed)
+        draws = set(self.packed_draws)
         freed = 0
         for position in sorted(set(self._inputs) | set(self.kept), reverse=True):
             if stop is not None and position >= stop and position not in self.kept:
                 continue
             if position in self.kept:
-                if not self._kept_keys[position] & needed:
-                    name, outputs, action = self.kept[position]
-                    if isinstance(outputs, _KeptDraw):
+                name, outputs, action = self.kept[position]
+                if isinstance(outputs, _KeptDraw):
+                    if position not in draws:
                         freed += outputs.nbytes
                         self.kept[position] = (name, outputs.blank(), action)
-                        continue
+                elif not self._kept_keys[position] & needed:
                     freed += sum(t.untyped_storage().nbytes() for t in _tensors(outputs))
                     self.kept[position] = (name, _blanks(outputs), action)
             else:
                 needed |= self._inputs[position]
+                draws |= self._draw_readers.get(position, set())
         self._inputs, self._kept_keys, self.kept_storages = {}, {}, {}
-        self.drawn_storages = set()
+        self.drawn_storages, self.packed_draws, self._draw_readers = {}, set(), {}
         return freed
 
     def _copy_kept_before_write(self, t: torch.Tensor) -> None:
@@ -640,7 +655,7 @@ class _KeptDraw:
         target = args[into]
         with hidden(), torch.no_grad():
             if self.bits is not None:
-                target.copy_(_unpack_bits(self.bits, self.numel).view(target.shape))
+                _unpack_bits_into(self.bits, target)
             elif self.values is not None:
                 target.copy_(self.values)
         return target
@@ -677,6 +692,31 @@ def _unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
         shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
         _SHIFTS[packed.device] = shifts
     return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:numel]
+
+
+_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _unpack_bits_into(packed: torch.Tensor, target: torch.Tensor) -> None:
+    """Write the zeros and ones `_pack_bits` packed into ``target``, in its dtype.
+
+    A contiguous target of whole bytes is filled by one lookup in a 256 x 8
+    table of every byte's eight values (four times faster on CPU than
+    unpacking by shifts); any other target by shifts and a copy.
+    """
+    numel = target.numel()
+    if target.is_contiguous() and numel % 8 == 0 and numel:
+        key = (target.dtype, target.device)
+        table = _TABLES.get(key)
+        if table is None:
+            table = _unpack_bits(
+                torch.arange(256, dtype=torch.uint8, device=target.device), 256 * 8
+            ).view(256, 8)
+            table = table.to(target.dtype)
+            _TABLES[key] = table
+        torch.index_select(table, 0, packed.long(), out=target.view(-1, 8))
+        return
+    target.copy_(_unpack_bits(packed, numel).view(target.shape))
 
 
 class _ReplayMismatch(RecomputationMismatchError):
