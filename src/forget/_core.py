@@ -198,11 +198,10 @@ class Region:
         self._rebuilt: dict[int, torch.Tensor] = {}
         self._pre_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._write_only: list[torch.Tensor] = []
-        # NOTE [early stop]: op position pending at the last pack, and positions of the
-        # ops that write into an argument (whose kernel must finish before a stop).
-        self._last_pack_at: int | None = None
-        self._writers: frozenset[int] = frozenset()
+        # NOTE [early stop]: the op position pending at each pack, and the positions of
+        # the ops that write into an argument (whose kernel must finish before a stop).
         self._pack_positions: list[int] = []
+        self._writers: frozenset[int] = frozenset()
         self._plain_rerun = False
         self.recomputations = 0
 
@@ -211,10 +210,8 @@ class Region:
         index = len(self._meta)
         self._meta.append(_meta(t))
         action = None
-        if self._tracker is not None:
-            self._last_pack_at = self._tracker.position
-        self._pack_positions.append(self._last_pack_at if self._last_pack_at is not None else -1)
         tracker = self._tracker
+        self._pack_positions.append(tracker.position if tracker is not None else -1)
         if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
             key = (t.device, t.untyped_storage().data_ptr())
             action = tracker.kept_storages.get(key)
@@ -281,7 +278,8 @@ class Region:
         self._writers = frozenset(tracker.writers)
         # NOTE [plain re-run]
         self._plain_rerun = self.policy is None and not tracker.touched_state and not tracker.nested
-        tracker.drop_unneeded_kept(stop=_stop_position(self._last_pack_at, self._writers))
+        last = self._pack_positions[-1] if self._pack_positions else None
+        tracker.drop_unneeded_kept(stop=_stop_position(last, self._writers))
         self._kept_ops = _offload_kept(tracker.kept)
         self._draw_states = tracker.draw_states
         # Values before the forward's first write, so the re-run starts where it did.

@@ -148,7 +148,7 @@ def _returns_fresh(op: Any) -> bool:
     return cached
 
 
-_VIEWS: dict[Any, bool] = {}
+_NO_DATA: dict[Any, bool] = {}
 
 # Ops that read only the shape, strides, dtype and device of their tensor input.
 _LAYOUT_ONLY = frozenset(
@@ -174,11 +174,11 @@ def _reads_no_data(op: Any) -> bool:
     """Whether an op reads no element of its inputs: views (``view``, ``t``, ``split``)
     and ``empty_like`` and its kin, which read only the layout (cached per op).
     """
-    cached = _VIEWS.get(op)
+    cached = _NO_DATA.get(op)
     if cached is None:
         schema = op._schema
         if schema.name in _LAYOUT_ONLY:
-            _VIEWS[op] = True
+            _NO_DATA[op] = True
             return True
         cached = bool(schema.returns) and all(
             r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
@@ -186,7 +186,7 @@ def _reads_no_data(op: Any) -> bool:
         cached = cached and not any(
             a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
         )
-        _VIEWS[op] = cached
+        _NO_DATA[op] = cached
     return cached
 
 
@@ -510,12 +510,12 @@ class StateTracker(TorchDispatchMode):
         backward reads it (autograd packed its storage: ``packed``) or an op that
         will re-run reads its values (a view or ``empty_like`` reads none). Walking
         the ops backwards settles this in one pass, since an op reads only what
-        earlier ops made. An unneeded one (a block's
-        last matmul, whose output only the next block reads; under
-        ``save_everything`` most outputs autograd does not save) is replayed as an
-        uninitialized tensor of its shape, which nothing reads: without this a
-        policy could keep more than the plain run saves. Ops at ``stop`` and after
-        it never run again (NOTE [early stop]), so what they read is not needed.
+        earlier ops made. An unneeded one (a block's last matmul, whose output only
+        the next block reads; under ``save_everything`` most outputs autograd does
+        not save) is replayed as an uninitialized tensor of its shape, which nothing
+        reads: without this a policy could keep more than the plain run saves. Ops
+        at ``stop`` and after it never run again (NOTE [early stop]), so what they
+        read is not needed. Kept draws are settled by position (NOTE [kept draws]).
         Call once, after the forward, when ``packed`` holds every kept storage the
         forward's pack saw.
         """
@@ -626,17 +626,15 @@ class _KeptDraw:
     nothing.
     """
 
-    __slots__ = ("bits", "numel", "values")
+    __slots__ = ("bits", "values")
 
     def __init__(self, func: Any, target: torch.Tensor | None) -> None:
         self.values: torch.Tensor | None = None
         self.bits: torch.Tensor | None = None
-        self.numel = 0
         if target is None:
             return
         with hidden(), torch.no_grad():
             if func._schema.name == "aten::bernoulli_":
-                self.numel = target.numel()
                 self.bits = _pack_bits(target)
             else:
                 self.values = target.detach().clone()
