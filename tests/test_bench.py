@@ -179,3 +179,12 @@ def test_quiet_without_tqdm_says_nothing(monkeypatch, capsys):
 def test_cli_routes_bench(capsys):
     assert cli.main(["bench", *TINY, "--models", "cnn"]) == 0
     assert "small_cnn" in capsys.readouterr().out
+
+
+def test_selective_rows_at_another_shape(capsys):
+    # python -m forget._bench_selective --width ...: the rows for a shape of one's own.
+    from forget import _bench_selective
+
+    assert _bench_selective.main(["--size", "tiny", "--repeats", "1", "--width", "32"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()[2:7]] == list(_bench_selective.VARIANTS)

@@ -36,7 +36,7 @@ from torch import nn
 
 import forget
 from forget import policies
-from forget.models import build_model
+from forget.models import SIZES, build_model
 
 __all__ = ["VARIANTS", "format_rows", "run"]
 
@@ -139,16 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m forget._bench_selective")
-    parser.add_argument("--size", default="default", choices=("tiny", "quick", "default"))
+    parser.add_argument("--size", default="default", choices=SIZES)
     parser.add_argument("--repeats", type=int, default=5)
-    for name in ("width", "heads", "context", "depth", "batch-size"):
-        parser.add_argument(f"--{name}", type=int, help="override the preset's " + name)
+    shape = ("width", "heads", "context", "depth", "batch_size")
+    for key in shape:
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"override the {key}")
     args = parser.parse_args(argv)
-    config = {
-        key: value
-        for key in ("width", "heads", "context", "depth", "batch_size")
-        if (value := getattr(args, key)) is not None
-    }
+    config = {key: value for key in shape if (value := getattr(args, key)) is not None}
     print(format_rows(run(size=args.size, repeats=args.repeats, **config)))
     return 0
 
