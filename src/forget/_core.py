@@ -47,7 +47,14 @@ from torch.utils import _pytree as pytree
 from ._errors import ForgetError, RecomputationMismatchError
 from ._offload import Offloaded, offload, warn_cpu_once
 from ._state import AutocastState, RNGState, devices_of, recomputing
-from ._stateful import StateTracker, StopRecomputation, current_values, hidden, restore
+from ._stateful import (
+    StateTracker,
+    StopRecomputation,
+    _storage_key,
+    current_values,
+    hidden,
+    restore,
+)
 from .policies import Action, Policy
 
 __all__ = ["Region", "forget", "ordinal", "run_region"]
@@ -75,9 +82,17 @@ class _Packers(threading.local):
 _packers = _Packers()
 
 
-def _external(t: torch.Tensor) -> bool:
-    """Whether no region running in this thread made ``t``'s memory (inputs, parameters)."""
-    return t.numel() > 0 and not any(tr.created(t) for tr in _packers.trackers)
+def _external(t: torch.Tensor, key: tuple[torch.device, int]) -> bool:
+    """Whether no region running in this thread made ``t``'s memory (inputs, parameters).
+
+    ``key`` is ``t``'s storage key (`_stateful._storage_key`), worked out once by the caller.
+    """
+    if not t.numel():
+        return False
+    for tracker in _packers.trackers:  # noqa: SIM110 (a loop: no generator per saved tensor)
+        if tracker.made(key):
+            return False
+    return True
 
 
 class _Slot:
@@ -137,7 +152,7 @@ def _unpack(slot: Any) -> Any:
 
 
 def _meta(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-    return (tuple(t.shape), t.dtype, t.device)
+    return (t.shape, t.dtype, t.device)  # a torch.Size is a tuple, and immutable
 
 
 class Region:
@@ -212,15 +227,15 @@ class Region:
         action = None
         tracker = self._tracker
         self._pack_positions.append(tracker.position if tracker is not None else -1)
+        key = _storage_key(t)
         if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
-            key = (t.device, t.untyped_storage().data_ptr())
             action = tracker.kept_storages.get(key)
             if action is not None:
                 tracker.packed.add(key)  # NOTE [unneeded kept outputs]
             elif (drawn := tracker.drawn_storages.get(key)) is not None:
                 tracker.packed_draws.add(drawn)  # NOTE [kept draws]
         slot: _Slot
-        if action is None and _external(t):
+        if action is None and _external(t, key):
             with hidden():
                 # requires_grad kept: a nested region re-run from it must save as before.
                 alias = t.detach().requires_grad_(t.requires_grad)
@@ -358,12 +373,21 @@ class Region:
                     f"shape={list(t.shape)} dtype={t.dtype} device={t.device}; the function "
                     "must compute the same thing both times."
                 )
+            # What the re-run's own graph keeps: a detached alias. The tensor itself
+            # would, for an op's output, make a cycle through its grad_fn that the
+            # garbage collector cannot see (it runs through C++), leaking the region.
+            with hidden():
+                alias = t.detach()
             if index in needed:
-                # Detached copies keep requires_grad: a nested region re-run from them
-                # must save for backward as its forward did.
-                with hidden():
-                    kept = t if keep_graph else t.detach().requires_grad_(t.requires_grad)
-                region._rebuilt[index] = kept
+                if keep_graph:
+                    region._rebuilt[index] = t
+                else:
+                    # The alias keeps requires_grad: a nested region re-run from it must
+                    # save for backward as its forward did. The re-run's graph, dropped
+                    # with it, may hold the same alias.
+                    if t.requires_grad:
+                        alias.requires_grad_()
+                    region._rebuilt[index] = alias
                 needed.discard(index)
                 if not needed:
                     if tracker is not None:
@@ -372,11 +396,7 @@ class Region:
                         raise StopRecomputation  # from inside the pack: the op does not run
                     else:
                         past.append(positions[index])
-            # What the re-run's own graph keeps: a detached alias. The tensor itself
-            # would, for an op's output, make a cycle through its grad_fn that the
-            # garbage collector cannot see (it runs through C++), leaking the region.
-            with hidden():
-                return t.detach()
+            return alias
 
         # Versions of kept external tensors before the re-run: its own in-place writes
         # (restored afterwards) must not read as the user's (NOTE [external tensors]).

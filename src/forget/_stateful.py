@@ -30,10 +30,9 @@ tensor per op, and read by nothing else, is write-only.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -198,6 +197,51 @@ def _is_seeded(op: Any) -> bool:
     return cached
 
 
+class _OpInfo:
+    """What the tracker asks of an op on every call, worked out once per op.
+
+    NOTE [op info]: the tracker sees every op of a region, and each question
+    it asks of the schema (what does it write, does it draw, is its output new
+    memory) was a cached lookup keyed by the op; an ``OpOverload`` hashes in
+    Python, so each lookup cost a Python call. One lookup by ``id`` answers all
+    of them. The entry holds the op, so its ``id`` cannot be reused while cached.
+    """
+
+    __slots__ = (
+        "draw_into",
+        "fresh",
+        "name",
+        "no_data",
+        "op",
+        "seeded",
+        "stats",
+        "update_results",
+        "written",
+    )
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        self.name = str(op)
+        self.seeded = _is_seeded(op)
+        self.written = _written_args(op)
+        schema_name: str = op._schema.name
+        self.stats = schema_name.startswith("aten::") and schema_name[len("aten::") :] in _STATS_OPS
+        self.update_results = _update_results(op) if self.written else None
+        self.no_data = _reads_no_data(op)
+        self.fresh = _returns_fresh(op)
+        self.draw_into = _draw_into(op) if self.seeded else None
+
+
+_INFO: dict[int, _OpInfo] = {}
+
+
+def _op_info(op: Any) -> _OpInfo:
+    info = _INFO.get(id(op))
+    if info is None or info.op is not op:
+        info = _INFO[id(op)] = _OpInfo(op)
+    return info
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -220,22 +264,47 @@ class _Hiding(threading.local):
 _hiding = _Hiding()
 
 
-@contextlib.contextmanager
-def hidden() -> Iterator[None]:
-    """Let ops run unseen by every tracker of this thread.
+class _Hidden:
+    """`hidden`'s context manager: a plain class, cheaper to enter than a generator's."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _hiding.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _hiding.depth -= 1
+
+
+_HIDDEN = _Hidden()
+
+
+def hidden() -> _Hidden:
+    """Let ops run unseen by every tracker of this thread (a context manager).
 
     The engine's own bookkeeping (detaching a saved tensor in a hook) must not
     shift the op positions that policy replay relies on.
     """
-    _hiding.depth += 1
-    try:
-        yield
-    finally:
-        _hiding.depth -= 1
+    return _HIDDEN
 
 
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     return (t.device, t.untyped_storage().data_ptr())
+
+
+def _input_keys(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[torch.device, int]]:
+    """Storage keys of an op's tensor arguments, in order (lists of tensors included)."""
+    keys = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            keys.append((value.device, value.untyped_storage().data_ptr()))
+        elif isinstance(value, (list, tuple)):
+            keys.extend(
+                (t.device, t.untyped_storage().data_ptr())
+                for t in value
+                if isinstance(t, torch.Tensor)
+            )
+    return keys
 
 
 class StateTracker(TorchDispatchMode):
@@ -312,9 +381,9 @@ class StateTracker(TorchDispatchMode):
         # microseconds on every op of every region; ours never compiles anything.
         return False
 
-    def created(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s memory was made by an op this tracker saw."""
-        return _storage_key(t) in self._created
+    def made(self, key: tuple[torch.device, int]) -> bool:
+        """Whether the storage of this key (`_storage_key`) was made by an op this tracker saw."""
+        return key in self._created
 
     @property
     def position(self) -> int:
@@ -335,17 +404,18 @@ class StateTracker(TorchDispatchMode):
             raise StopRecomputation
         position = self._started
         self._started += 1
+        info = _op_info(func)  # NOTE [op info]
         if self._replay is not None and position in self._replay:
             name, outputs, _ = self._replay[position]
-            if name != str(func):
-                raise _ReplayMismatch(name, str(func), position)
+            if name != info.name:
+                raise _ReplayMismatch(name, info.name, position)
             state = self._replay_states.get(position)
             if state is not None:
                 state[0].set_state(state[1])  # NOTE [kept draws]
             if isinstance(outputs, _KeptDraw):
                 return outputs.replay(func, args, kwargs)
             return _fresh_aliases(_filled(outputs))
-        if _is_seeded(func):
+        if info.seeded:
             self.used_rng = True
             self._seeded.append(position)
             generator = kwargs.get("generator")
@@ -357,8 +427,15 @@ class StateTracker(TorchDispatchMode):
                 # NOTE [explicit generators]: its state before its first draw here.
                 with hidden():
                     self.generators.append((generator, generator.get_state()))
-        written = _written_args(func)
-        if written and _stats_update(func, args):
+        written = info.written
+        inputs: list[tuple[torch.device, int]] | None = None
+        if (
+            written
+            and info.stats
+            and len(args) > _TRAINING_ARG
+            and args[_TRAINING_ARG] is True
+            and isinstance(args[3], torch.Tensor)
+        ):
             self.touched_state = True
             # NOTE [write-only statistics]
             if self._recomputing:
@@ -371,10 +448,10 @@ class StateTracker(TorchDispatchMode):
                 for i, name in written
                 for t in _tensors(args[i] if i < len(args) else kwargs.get(name))
             ]
-            pure = len(targets) == 1 and _update_results(func) is not None
+            pure = len(targets) == 1 and info.update_results is not None
             if pure and self._skip and _storage_key(targets[0]) in self._skip:
                 # NOTE [write-only state]: the forward's update is already in place.
-                results = _update_results(func) or 0
+                results = info.update_results or 0
                 if results == 1:
                     return targets[0]
                 return (targets[0],) * results if results else None
@@ -385,22 +462,25 @@ class StateTracker(TorchDispatchMode):
             for t in targets:
                 self._note_write(t)
         elif not self._recomputing:
-            self._note_reads(args, kwargs, ())
-        if self._trace_inputs and not _reads_no_data(func):
+            # The common case, worked out once for both uses: an op that writes nothing
+            # reads every tensor argument.
+            inputs = _input_keys(args, kwargs)
+            created, reads = self._created, self._reads
+            for key in inputs:
+                if key not in created:
+                    reads.add(key)
+        if self._trace_inputs and not info.no_data:
             # What reads a view reads its base's storage; layout needs no values.
-            keys = {
-                _storage_key(t)
-                for value in (*args, *kwargs.values())
-                for t in _tensors(value)
-                if t.device.type != "meta"
-            }
+            if inputs is None:
+                inputs = _input_keys(args, kwargs)
+            keys = {key for key in inputs if key[0].type != "meta"}
             if self.drawn_storages and (drawn := keys & self.drawn_storages.keys()):
                 self._draw_readers[position] = {self.drawn_storages[k] for k in drawn}
                 keys -= drawn
             self._inputs[position] = keys
         out = func(*args, **kwargs)
-        if _returns_fresh(func):
-            tensors = _tensors(out)
+        if info.fresh:
+            tensors = [out] if isinstance(out, torch.Tensor) else _tensors(out)
             for t in tensors:
                 if t.numel():
                     key = _storage_key(t)
@@ -408,9 +488,9 @@ class StateTracker(TorchDispatchMode):
                     if self.drawn_storages:
                         self.drawn_storages.pop(key, None)  # its address reused: it died
             if self._decide is not None and tensors:
-                self._keep(position, func, args, kwargs, out, tensors)
-        elif self._decide is not None and _is_seeded(func) and _draw_into(func) is not None:
-            self._keep(position, func, args, kwargs, out, [])
+                self._keep(position, info, args, kwargs, out, tensors)
+        elif self._decide is not None and info.draw_into is not None:
+            self._keep(position, info, args, kwargs, out, [])
         return out
 
     def _note_reads(
@@ -448,7 +528,7 @@ class StateTracker(TorchDispatchMode):
     def _keep(
         self,
         position: int,
-        func: Any,
+        info: _OpInfo,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: Any,
@@ -456,17 +536,16 @@ class StateTracker(TorchDispatchMode):
     ) -> None:
         """Keep an op's outputs if the policy says so; ``tensors`` empty: an in-place draw."""
         assert self._decide is not None
-        seeded = _is_seeded(func)
-        into = _draw_into(func) if seeded and not tensors else None
+        into = info.draw_into if not tensors else None
         target = args[into] if into is not None and into < len(args) else None
         generator = None
-        if seeded:
+        if info.seeded:
             generator = _generator(target if target is not None else tensors, kwargs)
             if generator is None:
                 return  # a device whose generator we do not know: drawn again
         measured = tensors if target is None else [target]
         nbytes = sum(t.untyped_storage().nbytes() for t in measured)
-        action = self._decide(str(func), nbytes)
+        action = self._decide(info.name, nbytes)
         if action.value == "recompute":
             return
         if generator is not None:
@@ -476,12 +555,12 @@ class StateTracker(TorchDispatchMode):
             # NOTE [kept draws]: its own copy (bits for bernoulli_), not the target's
             # memory, which later ops may write into (dropout's div_) and autograd saves;
             # those saves are rebuilt by the re-run from the replayed values.
-            self.kept[position] = (str(func), _KeptDraw(func, target), action)
+            self.kept[position] = (info.name, _KeptDraw(info.op, target), action)
             self.drawn_storages[_storage_key(target)] = position
             self._inputs.pop(position, None)
             self._draw_readers.pop(position, None)
             return
-        self.kept[position] = (str(func), _fresh_aliases(out), action)
+        self.kept[position] = (info.name, _fresh_aliases(out), action)
         self._kept_keys[position] = {_storage_key(t) for t in tensors}
         self._inputs.pop(position, None)  # replayed, not re-run: reads nothing
         self._draw_readers.pop(position, None)

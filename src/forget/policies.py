@@ -28,6 +28,7 @@ planner (`forget.plan`) as per-stage options.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ ATTENTION: tuple[str, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=4096)  # asked once per op output in a region
 def _normalize(name: str) -> str:
     """``"mm"`` / ``"aten::mm"`` / ``"aten.mm.default"`` -> ``"aten.mm"``."""
     name = name.replace("::", ".")
