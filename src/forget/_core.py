@@ -52,6 +52,7 @@ from ._stateful import (
     StopRecomputation,
     _storage_key,
     current_values,
+    detached,
     hidden,
     restore,
 )
@@ -236,10 +237,10 @@ class Region:
                 tracker.packed_draws.add(drawn)  # NOTE [kept draws]
         slot: _Slot
         if action is None and _external(t, key):
-            with hidden():
-                # requires_grad kept: a nested region re-run from it must save as before.
-                alias = t.detach().requires_grad_(t.requires_grad)
-                slot = _KeptSlot(self, index, alias, version=t._version)
+            alias = detached(t)  # NOTE [hidden aliases]
+            if t.requires_grad:
+                alias.requires_grad_()  # a nested region re-run from it must save as before
+            slot = _KeptSlot(self, index, alias, version=t._version)
         elif action is None or self._tracker is None:
             slot = _Slot(self, index)
         elif action is Action.OFFLOAD and t.device.type != "cpu":
@@ -249,8 +250,7 @@ class Region:
         else:
             if action is Action.OFFLOAD:
                 warn_cpu_once()
-            with hidden():
-                slot = _KeptSlot(self, index, t.detach())
+            slot = _KeptSlot(self, index, detached(t))
         self._live[index] = weakref.ref(slot)
         return slot
 
@@ -355,8 +355,7 @@ class Region:
             if region is None or not needed:
                 if past and index < len(positions) and positions[index] > past[0]:
                     raise StopRecomputation
-                with hidden():
-                    return t.detach()
+                return detached(t)
             if index >= len(meta):
                 raise RecomputationMismatchError(
                     f"forget: the recomputation of {name} saved more tensors for "
@@ -376,8 +375,7 @@ class Region:
             # What the re-run's own graph keeps: a detached alias. The tensor itself
             # would, for an op's output, make a cycle through its grad_fn that the
             # garbage collector cannot see (it runs through C++), leaking the region.
-            with hidden():
-                alias = t.detach()
+            alias = detached(t)  # NOTE [hidden aliases]
             if index in needed:
                 if keep_graph:
                     region._rebuilt[index] = t
