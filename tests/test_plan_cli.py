@@ -83,3 +83,48 @@ def test_parse_shape():
     for bad in ("", "a,b", "0,4", "-1"):
         with pytest.raises(ValueError, match="--input-shape"):
             _plan_cli.parse_shape(bad)
+
+
+def test_parse_option_groups_and_ops():
+    from forget import policies
+
+    name, policy = _plan_cli.parse_option("sel=linear+ATTENTION+bmm")
+    assert name == "sel"
+    want = policies.save_outputs_of(*policies.LINEAR, *policies.ATTENTION, "aten.bmm")
+    assert policy.description == want.description
+    assert policy.decide("aten.bmm.default", 4).value == "save"
+    assert policy.decide("aten.gelu.default", 4).value == "recompute"
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("bad", "NAME=OPS"),
+        ("=LINEAR", "NAME=OPS"),
+        ("sel=", "NAME=OPS"),
+        ("kept=LINEAR", "is taken"),
+        ("sel=LINEAR++CONV", "empty op"),
+    ],
+)
+def test_parse_option_errors(option, message):
+    with pytest.raises(ValueError, match=message):
+        _plan_cli.parse_option(option)
+
+
+def test_plan_option_reaches_the_planner(monkeypatch, capsys):
+    seen = {}
+    real = _plan_cli._Planner
+
+    def spy(*args, options=None, **kwargs):
+        seen["options"] = options
+        return real(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(_plan_cli, "_Planner", spy)
+    argv = ["--model", "residual_mlp", "--size", "tiny", "--budgets", "min", "--repeats", "1"]
+    assert _plan_cli.main([*argv, "--option", "sel=LINEAR"]) == 0
+    out = capsys.readouterr().out
+    assert "option sel: save outputs of aten._addmm_activation, aten.addmm, aten.mm" in out
+    assert list(seen["options"]) == ["sel"]
+    argv += ["--option", "a=LINEAR", "--option", "a=CONV"]
+    assert _plan_cli.main(argv) == 2
+    assert "given twice" in capsys.readouterr().err

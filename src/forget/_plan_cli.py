@@ -21,9 +21,11 @@ from typing import Any
 import torch
 
 from . import plan as P
+from . import policies
 from ._errors import BudgetInfeasibleError
 from ._planning import Plan, _Items, _Planner, time_side_by_side
 from .models import MODEL_NAMES, SIZES, BlockModel, build_model
+from .policies import Policy
 
 PLOT_HINT = "forget: --pareto needs matplotlib; install it with pip install 'torch-forget[plot]'"
 DEFAULT_BUDGETS = "75%,50%,35%,min"
@@ -324,6 +326,33 @@ def model_and_inputs(
     return spec, model, (torch.randn(parse_shape(input_shape), generator=generator),)
 
 
+_GROUPS = ("LINEAR", "CONV", "ATTENTION", "DROPOUT", "MATMUL")
+
+
+def parse_option(text: str) -> tuple[str, Policy]:
+    """``"sel=LINEAR+ATTENTION"`` -> ``("sel", save_outputs_of(*LINEAR, *ATTENTION))``.
+
+    Each ``+``-joined part is a group of `forget.policies` (any case) or an aten
+    op name (``bmm``, ``aten.bmm``).
+    """
+    name, sep, ops = text.partition("=")
+    name, ops = name.strip(), ops.strip()
+    if not sep or not name or not ops:
+        raise ValueError(
+            f"forget: --option takes NAME=OPS, e.g. sel=LINEAR+ATTENTION+DROPOUT, got {text!r}"
+        )
+    if name in ("kept", "forgotten"):
+        raise ValueError(f"forget: --option name {name!r} is taken; choose another")
+    names: list[str] = []
+    for part in ops.split("+"):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"forget: --option {text!r} has an empty op between '+'")
+        group = part.upper()
+        names.extend(getattr(policies, group) if group in _GROUPS else (part,))
+    return name, policies.save_outputs_of(*names)
+
+
 # ------------------------------------------------------------------ CLI
 
 
@@ -348,6 +377,17 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated: shares, sizes or 'min' (default %(default)s)",
     )
     p.add_argument("--algorithm", default="optimal", help="planner name (default optimal)")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=OPS",
+        help=(
+            "a partial keep the planner may choose per stage: keep the outputs of OPS, "
+            f"+-joined groups ({', '.join(_GROUPS)}) or aten ops, e.g. "
+            "sel=LINEAR+CONV+ATTENTION+DROPOUT (repeatable)"
+        ),
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of models and inputs (default 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
@@ -374,6 +414,12 @@ def main(argv: Sequence[str]) -> int:
                 P.parse_budget(label, 1 << 40)
         if not labels:
             raise ValueError("forget: --budgets is empty")
+        options: dict[str, Policy] = {}
+        for text in args.option:
+            name, policy = parse_option(text)
+            if name in options:
+                raise ValueError(f"forget: --option {name!r} is given twice")
+            options[name] = policy
         if args.pareto is not None:
             try:
                 import matplotlib  # noqa: F401  (fail before the run, not after it)
@@ -389,7 +435,7 @@ def main(argv: Sequence[str]) -> int:
     results = []
     try:
         for name, model, inputs in built:
-            planner = _Planner(model, inputs, repeats=args.repeats)
+            planner = _Planner(model, inputs, options=options or None, repeats=args.repeats)
             results.append(_plan_budgets(name, planner, labels, args.algorithm, args.repeats))
             progress.update(name)
     finally:
@@ -399,6 +445,8 @@ def main(argv: Sequence[str]) -> int:
             f"forget plan ({args.algorithm}): {args.size} sizes, median of {args.repeats} "
             f"steps per schedule, {torch.get_num_threads()} threads, torch {torch.__version__}"
         )
+        for name, policy in options.items():
+            print(f"option {name}: {policy}")
     print(format_table(results))
     if args.show:
         for result in results:

@@ -360,12 +360,18 @@ def _profile_stage(
     for option_name, policy in policies.items():
         run = _policy_region(block, policy)
         opt_saved, _, opt_bwd_over, _, _ = forward_backward(run)
-        opt_backward_s = median_of(backward_of(run))
+        # What running the stage under the policy costs in full, as NOTE [time of a
+        # region]: its forward's bookkeeping as well as the re-run in backward.
+        extra_s = _alternating_median_difference(
+            _step_timer(functools.partial(run, h), clear),
+            _step_timer(lambda: block(h), clear),
+            repeats,
+        )
         options.append(
             P.StageOption(
                 option_name,
                 saved_bytes=opt_saved,
-                recompute_s=max(0.0, opt_backward_s - backward_s),
+                recompute_s=extra_s,
                 backward_overhead_bytes=max(0, opt_bwd_over - bwd_over),
             )
         )

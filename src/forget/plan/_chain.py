@@ -53,13 +53,15 @@ class StageOption:
     An option sits between keeping a stage's whole history and forgetting the
     stage: the forward runs with grad but saves only ``saved_bytes`` (for
     example only the matmul outputs), and the backward first re-runs the cheap
-    part it dropped, which costs ``recompute_s`` and a temporary
-    ``backward_overhead_bytes`` on top of the stage's own backward overhead.
+    part it dropped. All that the option adds to the step's time (the re-run,
+    and any bookkeeping its forward does) is ``recompute_s``; it also needs a
+    temporary ``backward_overhead_bytes`` on top of the stage's own backward
+    overhead.
 
     Attributes:
         name: a label, unique within its stage (not ``"kept"`` or ``"forgotten"``).
         saved_bytes: history kept for backward, in place of `Stage.saved_bytes`.
-        recompute_s: extra backward time to rebuild what was dropped.
+        recompute_s: extra step time of the option over keeping the stage whole.
         backward_overhead_bytes: extra temporary bytes while rebuilding in backward.
     """
 
