@@ -9,6 +9,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from forget import _bench, cli
 from forget.models import MODEL_NAMES, build_model
@@ -188,3 +189,43 @@ def test_selective_rows_at_another_shape(capsys):
     assert _bench_selective.main(["--size", "tiny", "--repeats", "1", "--width", "32"]) == 0
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()[2:7]] == list(_bench_selective.VARIANTS)
+
+
+def _instructions_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "instructions.py"
+    spec = importlib.util.spec_from_file_location("instructions", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_instruction_counter_usage_errors(monkeypatch, capsys):
+    script = _instructions_script()
+    monkeypatch.setattr(sys, "argv", ["instructions.py", "--variants", "plain,bogus"])
+    with pytest.raises(SystemExit) as exc:
+        script.main()
+    assert exc.value.code == 2
+    assert "unknown variants ['bogus']" in capsys.readouterr().err
+    monkeypatch.setattr(script.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(sys, "argv", ["instructions.py", "--variants", "plain"])
+    with pytest.raises(SystemExit):
+        script.main()
+    assert "valgrind is not installed" in capsys.readouterr().err
+
+
+def test_instruction_counter_step_runs_each_variant(monkeypatch):
+    # Outside valgrind, callgrind_control has no process to switch: stand in for it.
+    script = _instructions_script()
+    calls = []
+    monkeypatch.setattr(script.subprocess, "run", lambda cmd, **kw: calls.append(cmd[2]))
+    threads = torch.get_num_threads()
+    try:
+        for variant in script.VARIANTS:
+            script._step("residual_mlp", "tiny", variant)
+    finally:
+        torch.set_num_threads(threads)  # _step runs one thread, as under valgrind
+    assert calls == ["on", "off"] * len(script.VARIANTS)
