@@ -72,11 +72,14 @@ def random_chain(rng: random.Random, n: int, *, options: bool = False, scale: in
     return Chain(tuple(stages))
 
 
-def all_trees(chain: Chain, s: int, t: int, *, not_one_region: bool = False) -> Iterator[tuple]:
+def all_trees(
+    chain: Chain, s: int, t: int, *, not_one_region: bool = False, top: bool = True
+) -> Iterator[tuple]:
     """Yield every item sequence over [s, t).
 
     A region whose only item is a region over the same range is skipped (it
-    would nest forever; each extra level only adds a forward pass).
+    would nest forever; each extra level only adds a forward pass). Options
+    only at the top level (NOTE [options at the top level]).
     """
     if s == t:
         yield ()
@@ -84,12 +87,13 @@ def all_trees(chain: Chain, s: int, t: int, *, not_one_region: bool = False) -> 
     for k in range(s + 1, t + 1):
         heads: list[Item] = []
         if k == s + 1:
-            names = [None, *(o.name for o in chain.stages[s].options)]
+            names = [None, *(o.name for o in chain.stages[s].options)] if top else [None]
             heads += [Keep(s, name) for name in names]
         if not (not_one_region and k == t):
-            heads += [Region(inner) for inner in all_trees(chain, s, k, not_one_region=True)]
+            inners = all_trees(chain, s, k, not_one_region=True, top=False)
+            heads += [Region(inner) for inner in inners]
         for head in heads:
-            for rest in all_trees(chain, k, t):
+            for rest in all_trees(chain, k, t, top=top):
                 yield (head, *rest)
 
 
@@ -368,6 +372,28 @@ def test_ops_decisions_and_simulator_by_hand() -> None:
     assert time_s == 3 * 1.0 + 3 * 1.0 + 3 * 2.0
     assert schedule.predicted_overhead_s == 3.0
     assert (schedule.predicted_peak_bytes, schedule.predicted_time_s) == (peak, time_s)
+
+
+def test_options_only_at_the_top_level() -> None:
+    # NOTE [options at the top level]: a policy region inside a forgotten region
+    # would keep its outputs from the first forward on; the model rejects it and
+    # no planner places one there, at any budget.
+    chain = random_chain(random.Random(3), 8, options=True, scale=1000)
+    with_option = next(i for i, st in enumerate(chain.stages) if st.options)
+    name = chain.stages[with_option].options[0].name
+    items = tuple(
+        Region((Keep(i, name),)) if i == with_option else Keep(i) for i in range(len(chain))
+    )
+    with pytest.raises(ValueError, match="inside a region"):
+        Schedule.from_items(chain, items)
+    lowest = min_feasible_bytes(chain)
+    top = solve(chain, 10**12).predicted_peak_bytes
+    seen_option = False
+    for budget in range(lowest, top + 1, max(1, (top - lowest) // 40)):
+        for d in solve(chain, budget).stage_decisions():
+            assert d.option is None or d.depth == 0
+            seen_option |= d.option is not None
+    assert seen_option  # the options are chosen somewhere, at the top level
 
 
 def test_options_are_chosen_when_they_pay() -> None:

@@ -9,8 +9,18 @@ to back-propagate range ``[s, t)`` within memory ``m``, either keep stage
 ``h_s``, then ``B(s)``), or forget ``[s, k)`` (``F_ck(s)``, ``F_n`` up to
 ``k-1``, solve ``[k, t)`` with ``m`` minus ``x_s``, then re-run and solve
 ``[s, k)`` with ``m``). A stage with `StageOption` values offers each option
-as one more kind of keep. The top level differs only in that ``x_L`` and
-``δ_L`` are not alive before the forward reaches them.
+as one more kind of keep, at the top level only. The top level differs
+otherwise only in that ``x_L`` and ``δ_L`` are not alive before the forward
+reaches them.
+
+NOTE [options at the top level]: an option is a policy region: its forward
+keeps the policy's outputs until its backward. Inside a forgotten region the
+stage's first forward must keep nothing (``F_n``) and only the region's re-run
+may keep (``F_all``); a policy region run there keeps its outputs from the
+first forward on, which the model cannot see (measured on the reference CNN:
+a least-memory schedule with options inside regions peaked at 15.7 MB against
+the 12.8 MB predicted). So inside a region a stage is kept whole, and
+`Schedule` rejects an option there.
 
 Memory is discretized into units of ``unit_bytes`` and every size is rounded
 *up* to whole units, so a schedule that fits the discretized budget fits the
@@ -42,6 +52,9 @@ __all__ = ["DEFAULT_MEMORY_UNITS", "min_peak_items", "optimal_items", "unit_byte
 DEFAULT_MEMORY_UNITS = 1000
 # Cells of the (L+1) x (L+1) x (M+1) tables; above it the unit gets coarser.
 _MAX_CELLS = 24_000_000
+
+# A peak no schedule reaches: marks a choice that is not allowed.
+_NEVER = np.iinfo(np.int64).max // 4
 
 _Floats = npt.NDArray[np.float64]
 _Ints = npt.NDArray[np.int64]
@@ -173,8 +186,11 @@ class _Tables:
             for s in range(n - length + 1):
                 t = s + length
                 cands = []
-                for h, time_s, bo in rv[s]:
+                for v, (h, time_s, bo) in enumerate(rv[s]):
                     row = np.full(size, inf)
+                    if v:  # NOTE [options at the top level]: inside a region, keep whole
+                        cands.append(row)
+                        continue
                     if length == 1:
                         thr = a[s] + 2 * a[t] + h + max(fo[s], a[s] + bo)
                         if thr < size:
@@ -332,8 +348,12 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
             t = s + length
             peaks: list[int] = []
             times: list[float] = []
-            for v in variants[s]:
+            for i, v in enumerate(variants[s]):
                 h, bo = v.saved_bytes, v.backward_overhead_bytes
+                if i:  # NOTE [options at the top level]: never chosen inside a region
+                    peaks.append(_NEVER)
+                    times.append(math.inf)
+                    continue
                 if length == 1:
                     peaks.append(a[s] + 2 * a[t] + h + max(fo[s], a[s] + bo))
                     times.append(v.time_s)

@@ -559,7 +559,13 @@ def evaluate(chain: Chain, items: Sequence[Item]) -> tuple[int, float]:
     items = tuple(items)
     if not items or items[-1].stop != n:
         raise ValueError(f"forget: a schedule must cover stages 0..{n - 1}")
-    for keep, _ in _walk(items, 0):
+    for keep, depth in _walk(items, 0):
         if keep.stage_index >= n:
             raise ValueError(f"forget: stage {keep.stage_index} is outside the {n}-stage chain")
+        if keep.option is not None and depth:
+            raise ValueError(
+                f"forget: stage {keep.stage_index} runs option {keep.option!r} inside a "
+                "region; options apply to stages kept at the top level only "
+                "(NOTE [options at the top level])"
+            )
     return top(items)
