@@ -128,3 +128,36 @@ def test_plan_option_reaches_the_planner(monkeypatch, capsys):
     argv += ["--option", "a=LINEAR", "--option", "a=CONV"]
     assert _plan_cli.main(argv) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
+    # NOTE [select, then measure]: the uniform segmentation is picked by one timing
+    # round and its overhead comes from a second round, beside the plan and plain.
+    import torch
+
+    from forget._planning import _Planner
+
+    torch.manual_seed(0)
+    layer = lambda: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)
+    )
+    model = torch.nn.Sequential(*[layer() for _ in range(6)])
+    planner = _Planner(model, (torch.randn(256, 32),), repeats=1)
+    rounds = []
+
+    def fake(target, runners, repeats):
+        rounds.append(sorted(map(str, runners)))
+        if "plain" not in runners:  # the selection round: segment count k takes k seconds
+            return {k: float(k) for k in runners}
+        return {"plain": 1.0, "plan": 1.25, "uniform": 1.5}
+
+    monkeypatch.setattr(_plan_cli, "time_side_by_side", fake)
+    # The plan: the least-memory schedule (a multi-level one, no uniform segmentation).
+    monkeypatch.setattr(_Planner, "_fastest", lambda self, fitting: fitting[0])
+    result = _plan_cli._plan_budgets("m", planner, ["90%"], "optimal", 1)
+    (row,) = result.rows
+    assert rounds[-1] == ["plain", "plan", "uniform"]
+    selection = [int(k) for k in rounds[-2]]
+    assert row.uniform_segments == min(selection)
+    assert row.plan_overhead == pytest.approx(0.25)
+    assert row.uniform_overhead == pytest.approx(0.5)
