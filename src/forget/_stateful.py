@@ -54,8 +54,6 @@ class StopRecomputation(Exception):
     """Raised inside a recomputation once every needed tensor is rebuilt."""
 
 
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-
 # Legacy aten ops that write into arguments their schema does not mark as
 # written (checked on torch 2.13: eager BatchNorm calls native_batch_norm,
 # whose schema says ``Tensor? running_mean`` yet updates it, without even a
@@ -64,7 +62,6 @@ _UNMARKED_WRITES: dict[str, tuple[tuple[int, str], ...]] = {
     name: ((3, "running_mean"), (4, "running_var"))
     for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
 }
-_SEEDED: dict[Any, bool] = {}
 
 
 # NOTE [write-only statistics]: in training mode these ops compute their output
@@ -77,17 +74,6 @@ _STATS_OPS = frozenset(
 _TRAINING_ARG = 5
 
 
-def _stats_update(op: Any, args: tuple[Any, ...]) -> bool:
-    name = op._schema.name
-    return (
-        name.startswith("aten::")
-        and name[len("aten::") :] in _STATS_OPS
-        and len(args) > _TRAINING_ARG
-        and args[_TRAINING_ARG] is True
-        and isinstance(args[3], torch.Tensor)
-    )
-
-
 def _without_stats(op: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
     """The same batch-norm call with its running statistics left out."""
     if op._schema.name == "aten::_native_batch_norm_legit":
@@ -96,24 +82,20 @@ def _without_stats(op: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]
     return op, (*args[:3], None, None, *args[_TRAINING_ARG:])
 
 
+# The questions below are asked once per op and cached in its `_OpInfo`.
+
+
 def _written_args(op: Any) -> tuple[tuple[int, str], ...]:
-    """Positions and names of the arguments an op writes into (cached per op)."""
-    cached = _WRITES.get(op)
-    if cached is None:
-        schema = op._schema
-        cached = tuple(
-            (i, a.name)
-            for i, a in enumerate(schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-        if not cached and schema.name.startswith("aten::"):
-            cached = _UNMARKED_WRITES.get(schema.name[len("aten::") :], ())
-        _WRITES[op] = cached
-    return cached
-
-
-_FRESH: dict[Any, bool] = {}
-_RESULTS: dict[Any, int | None] = {}
+    """Positions and names of the arguments an op writes into."""
+    schema = op._schema
+    written = tuple(
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    if not written and schema.name.startswith("aten::"):
+        written = _UNMARKED_WRITES.get(schema.name[len("aten::") :], ())
+    return written
 
 
 def _update_results(op: Any) -> int | None:
@@ -122,8 +104,6 @@ def _update_results(op: Any) -> int | None:
     ``add_`` returns its ``self``: 1. ``None`` when some result is new memory or
     a view, or the op draws random numbers; the op is then no pure update.
     """
-    if op in _RESULTS:
-        return _RESULTS[op]
     schema = op._schema
     written = {
         frozenset(a.alias_info.before_set)
@@ -136,9 +116,7 @@ def _update_results(op: Any) -> int | None:
         and frozenset(r.alias_info.before_set) in written
         for r in schema.returns
     )
-    count = len(schema.returns) if pure else None
-    _RESULTS[op] = count
-    return count
+    return len(schema.returns) if pure else None
 
 
 def _returns_fresh(op: Any) -> bool:
@@ -147,14 +125,8 @@ def _returns_fresh(op: Any) -> bool:
     Views (``detach``, ``t``, ``view``) and in-place results alias an input; marking
     their storage as created would hide later writes into external state.
     """
-    cached = _FRESH.get(op)
-    if cached is None:
-        cached = all(r.alias_info is None for r in op._schema.returns)
-        _FRESH[op] = cached
-    return cached
+    return all(r.alias_info is None for r in op._schema.returns)
 
-
-_NO_DATA: dict[Any, bool] = {}
 
 # Ops that read only the shape, strides, dtype and device of their tensor input.
 _LAYOUT_ONLY = frozenset(
@@ -178,40 +150,32 @@ _LAYOUT_ONLY = frozenset(
 
 def _reads_no_data(op: Any) -> bool:
     """Whether an op reads no element of its inputs: views (``view``, ``t``, ``split``)
-    and ``empty_like`` and its kin, which read only the layout (cached per op).
+    and ``empty_like`` and its kin, which read only the layout.
     """
-    cached = _NO_DATA.get(op)
-    if cached is None:
-        schema = op._schema
-        if schema.name in _LAYOUT_ONLY:
-            _NO_DATA[op] = True
-            return True
-        cached = bool(schema.returns) and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
-        )
-        cached = cached and not any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-        )
-        _NO_DATA[op] = cached
-    return cached
+    schema = op._schema
+    if schema.name in _LAYOUT_ONLY:
+        return True
+    views = bool(schema.returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    )
+    return views and not any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
 
 
 def _is_seeded(op: Any) -> bool:
-    cached = _SEEDED.get(op)
-    if cached is None:
-        cached = torch.Tag.nondeterministic_seeded in op.tags
-        _SEEDED[op] = cached
-    return cached
+    return torch.Tag.nondeterministic_seeded in op.tags
 
 
 class _OpInfo:
     """What the tracker asks of an op on every call, worked out once per op.
 
-    NOTE [op info]: the tracker sees every op of a region, and each question
-    it asks of the schema (what does it write, does it draw, is its output new
-    memory) was a cached lookup keyed by the op; an ``OpOverload`` hashes in
-    Python, so each lookup cost a Python call. One lookup by ``id`` answers all
-    of them. The entry holds the op, so its ``id`` cannot be reused while cached.
+    NOTE [op info]: the tracker sees every op of a region and asks each the same
+    questions of its schema (what does it write, does it draw, is its output new
+    memory). They are answered once per op and kept in one record, looked up by
+    ``id``: an ``OpOverload`` hashes in Python, so a dict keyed by the op would
+    cost a Python call per lookup. The record holds the op, so its ``id`` cannot
+    be reused while cached.
     """
 
     __slots__ = (
@@ -668,17 +632,12 @@ class StateTracker(TorchDispatchMode):
         self.snapshots.append((t, t.detach().clone()))
 
 
-_DRAW_INTO: dict[Any, int | None] = {}
-
-
 def _draw_into(op: Any) -> int | None:
     """The argument an in-place random op fills and returns (``bernoulli_``: 0), else None.
 
     Ops that also make new memory or write elsewhere (``rrelu_with_noise``, ``out=``
     variants that return views) are not in-place draws; they are always re-drawn.
     """
-    if op in _DRAW_INTO:
-        return _DRAW_INTO[op]
     schema = op._schema
     written = [
         i
@@ -695,7 +654,6 @@ def _draw_into(op: Any) -> int | None:
         arg = schema.arguments[written[0]].alias_info
         if ret is not None and arg is not None and ret.before_set == arg.before_set:
             into = written[0]
-    _DRAW_INTO[op] = into
     return into
 
 
@@ -752,7 +710,7 @@ class _KeptDraw:
         return _KeptDraw(None, None)
 
     def replay(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        into = _draw_into(func)
+        into = _op_info(func).draw_into
         assert into is not None
         target = args[into]
         with hidden(), torch.no_grad():
