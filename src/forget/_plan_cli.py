@@ -117,27 +117,24 @@ def _plan_budgets(
             for k, s in _uniform_schedules(planner)
             if planner.trials.peak(s) <= budget
         ]
-        plan_runner = row.plan.runner(planner.target.blocks)
         # NOTE [select, then measure]: the fastest of many noisy timings is faster
         # than its schedule is (the least of ten medians that scatter by 10 % lies
         # about 1.5 sigma below their mean). The plan was chosen by the planner's
         # own timing round and is timed afresh here; the best uniform segmentation
         # is chosen by one round and timed afresh beside the plan in another.
-        best = None
-        others = [(k, s, peak) for k, s, peak in fitting if s.items != row.plan.schedule.items]
-        if len(fitting) > len(others):
-            best = next((k, s, p) for k, s, p in fitting if s.items == row.plan.schedule.items)
-        elif len(others) == 1:
-            best = others[0]
-        elif others:
+        plan_items = row.plan.schedule.items
+        same = [f for f in fitting if f[1].items == plan_items]
+        others = [f for f in fitting if f[1].items != plan_items]
+        best = same[0] if same else others[0] if others else None
+        if not same and len(others) > 1:
             selection = time_side_by_side(
                 planner.target,
                 {k: _Items(s.items, planner.target.blocks, {}) for k, s, _ in others},
                 repeats,
             )
             best = min(others, key=lambda f: selection[f[0]])
-        runners: dict[str, Any] = {"plain": None, "plan": plan_runner}
-        if best is not None and best[1].items != row.plan.schedule.items:
+        runners: dict[str, Any] = {"plain": None, "plan": row.plan.runner(planner.target.blocks)}
+        if best is not None and not same:
             runners["uniform"] = _Items(best[1].items, planner.target.blocks, {})
         medians = time_side_by_side(planner.target, runners, repeats)
         plain = medians["plain"]
