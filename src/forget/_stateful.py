@@ -281,8 +281,15 @@ def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
     return (t.device, t.untyped_storage().data_ptr())
 
 
-def _input_keys(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[torch.device, int]]:
-    """Storage keys of an op's tensor arguments, in order (lists of tensors included)."""
+def _input_keys(
+    args: tuple[Any, ...], kwargs: dict[str, Any], skip: tuple[tuple[int, str], ...] = ()
+) -> list[tuple[torch.device, int]]:
+    """Storage keys of an op's tensor arguments, in order (lists of tensors included),
+    leaving out the arguments in ``skip`` (positions and names, as `_written_args`)."""
+    if skip:
+        positions, names = {i for i, _ in skip}, {name for _, name in skip}
+        args = tuple(v for i, v in enumerate(args) if i not in positions)
+        kwargs = {name: v for name, v in kwargs.items() if name not in names}
     keys = []
     for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, torch.Tensor):
@@ -445,19 +452,17 @@ class StateTracker(TorchDispatchMode):
                     return targets[0]
                 return (targets[0],) * results if results else None
             if not self._recomputing:
-                self._note_reads(args, kwargs, written if pure else ())
+                # A pure update's target is not read.
+                self._note_reads(_input_keys(args, kwargs, written if pure else ()))
                 if not pure:
                     self._reads.update(_storage_key(t) for t in targets)
             for t in targets:
                 self._note_write(t)
         elif not self._recomputing:
-            # The common case, worked out once for both uses: an op that writes nothing
-            # reads every tensor argument.
+            # An op that writes nothing reads every tensor argument; the keys also
+            # serve the trace below.
             inputs = _input_keys(args, kwargs)
-            created, reads = self._created, self._reads
-            for key in inputs:
-                if key not in created:
-                    reads.add(key)
+            self._note_reads(inputs)
         if self._trace_inputs and not info.no_data:
             # What reads a view reads its base's storage; layout needs no values.
             if inputs is None:
@@ -482,25 +487,12 @@ class StateTracker(TorchDispatchMode):
             self._keep(position, info, args, kwargs, out, [])
         return out
 
-    def _note_reads(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], updated: tuple[tuple[int, str], ...]
-    ) -> None:
-        """Note the external storages an op reads; a pure update's target is not read."""
-        skip_pos = {i for i, _ in updated}
-        skip_names = {name for _, name in updated}
+    def _note_reads(self, keys: list[tuple[torch.device, int]]) -> None:
+        """Note the external storages (by `_input_keys`) an op reads."""
         created, reads = self._created, self._reads
-        for i, value in enumerate(args):
-            if i not in skip_pos:
-                for t in _tensors(value):
-                    key = _storage_key(t)
-                    if key not in created:
-                        reads.add(key)
-        for name, value in kwargs.items():
-            if name not in skip_names:
-                for t in _tensors(value):
-                    key = _storage_key(t)
-                    if key not in created:
-                        reads.add(key)
+        for key in keys:
+            if key not in created:
+                reads.add(key)
 
     def split_write_only(self) -> list[torch.Tensor]:
         """Drop the snapshots of write-only tensors and return those tensors.
