@@ -19,6 +19,7 @@ from forget.models import (
     SmallCNN,
     TinyGPT,
     build_model,
+    model_settings,
     residual_mlp,
     small_cnn,
     tiny_gpt,
@@ -164,6 +165,27 @@ def test_unknown_name_or_size_lists_valid_ones():
     with pytest.raises(ValueError, match=r"unknown size 'huge'.*tiny, quick, default"):
         build_model("tiny_gpt", "huge")
     assert SIZES == ("tiny", "quick", "default")
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_settings_are_what_build_model_passes(name):
+    settings = model_settings(name, "tiny")
+    built = build_model(name, "tiny", seed=3)
+    again = {"residual_mlp": residual_mlp, "small_cnn": small_cnn, "tiny_gpt": tiny_gpt}[name](
+        seed=3, **settings
+    )
+    assert "seed" not in settings
+    assert repr(built) == repr(again)
+    assert all(
+        torch.equal(a, b) for a, b in zip(built.parameters(), again.parameters(), strict=True)
+    )
+    with pytest.raises(ValueError, match="unknown size"):
+        model_settings(name, "huge")
+
+
+def test_model_settings_fill_in_the_factory_defaults():
+    assert model_settings("tiny_gpt", "tiny")["dropout"] == 0.1  # not in the tiny preset
+    assert model_settings("tiny_gpt", "default")["context"] == 64
 
 
 def test_bad_shapes_raise_value_error():

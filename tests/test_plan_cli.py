@@ -70,11 +70,29 @@ def test_plan_user_factory_with_input_shape(tmp_path, monkeypatch, capsys):
         (["--model", "residual_mlp", "--budgets", ","], "--budgets is empty"),
         (["--model", "residual_mlp", "--algorithm", "magic"], "valid names"),
         (["--model", "residual_mlp", "--repeats", "0"], "--repeats"),
+        (["--model", "tiny_gpt", "--set", "contxt=8"], "contxt: tiny_gpt takes width (now"),
+        (["--model", "tiny_gpt", "--set", "context"], "KEY=NUMBER"),
+        (["--model", "tiny_gpt", "--set", "context=long"], "KEY=NUMBER"),
+        (["--model", "all", "--set", "context=8"], "residual_mlp takes"),
+        (["--model", "torch.nn:Identity", "--set", "context=8"], "reference models only"),
+        (["--model", "tiny_gpt", "--size", "tiny", "--set", "width=15"], "not divisible"),
     ],
 )
 def test_plan_usage_errors(argv, message, capsys):
     assert _plan_cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_set_replaces_a_reference_preset(capsys):
+    argv = ["--model", "tiny_gpt", "--size", "tiny", "--set", "depth=3", "--set", "dropout=0.0"]
+    assert _plan_cli.main([*argv, "--budgets", "min", "--repeats", "1", "--quiet", "--show"]) == 0
+    assert ": 3 stages, budget" in capsys.readouterr().out  # the preset's depth is 2
+
+
+def test_parse_setting():
+    assert _plan_cli.parse_setting(" context = 512 ") == ("context", 512)
+    assert _plan_cli.parse_setting("dropout=0.0") == ("dropout", 0.0)
+    assert isinstance(_plan_cli.parse_setting("depth=3")[1], int)
 
 
 def test_parse_shape():

@@ -24,7 +24,7 @@ from . import plan as P
 from . import policies
 from ._errors import BudgetInfeasibleError
 from ._planning import Plan, _Items, _Planner, time_side_by_side
-from .models import MODEL_NAMES, SIZES, BlockModel, build_model
+from .models import MODEL_NAMES, SIZES, BlockModel, build_model, model_settings
 from .policies import Policy
 
 PLOT_HINT = "forget: --pareto needs matplotlib; install it with pip install 'torch-forget[plot]'"
@@ -313,12 +313,52 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def parse_setting(text: str) -> tuple[str, int | float]:
+    """``"context=512"`` -> ``("context", 512)``; ``"dropout=0.0"`` -> ``("dropout", 0.0)``."""
+    key, sep, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    number: int | float | None = None
+    for kind in (int, float):
+        try:
+            number = kind(value)
+            break
+        except ValueError:
+            continue
+    if not sep or not key.isidentifier() or number is None:
+        raise ValueError(
+            f"forget: --set takes KEY=NUMBER, e.g. context=512 or dropout=0.0, got {text!r}"
+        )
+    return key, number
+
+
 def model_and_inputs(
-    spec: str, size: str, seed: int, input_shape: str | None
+    spec: str,
+    size: str,
+    seed: int,
+    input_shape: str | None,
+    settings: dict[str, int | float] | None = None,
 ) -> tuple[str, Any, tuple[Any, ...]]:
-    """Build a reference model by name, or a user's ``module:factory``, and sample inputs."""
+    """Build a reference model by name, or a user's ``module:factory``, and sample inputs.
+
+    ``settings`` (``--set``) replace a reference model's preset keyword arguments.
+    """
+    if settings and spec not in MODEL_NAMES:
+        raise ValueError(f"forget: --set changes reference models only, not {spec}")
     if spec in MODEL_NAMES:
-        model: Any = build_model(spec, size, seed=seed)
+        settings = settings or {}
+        known = model_settings(spec, size)
+        unknown = sorted(settings.keys() - known.keys())
+        if unknown:
+            raise ValueError(
+                f"forget: --set {', '.join(unknown)}: {spec} takes "
+                + ", ".join(f"{k} (now {v})" for k, v in known.items())
+            )
+        try:
+            model: Any = build_model(spec, size, seed=seed, **settings)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"forget: --set for {spec}: {str(exc).removeprefix('forget: ')}"
+            ) from exc
     else:
         factory = load_factory(spec)
         torch.manual_seed(seed)
@@ -382,6 +422,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=SIZES, default="quick", help="reference sizes (quick)")
     p.add_argument("--input-shape", help="input shape for a module:factory model, e.g. 64,512")
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=NUMBER",
+        help="replace a reference model's preset argument, e.g. context=512 (repeatable)",
+    )
+    p.add_argument(
         "--budgets",
         default=DEFAULT_BUDGETS,
         help="comma-separated: shares, sizes or 'min' (default %(default)s)",
@@ -435,7 +482,10 @@ def main(argv: Sequence[str]) -> int:
                 import matplotlib  # noqa: F401  (fail before the run, not after it)
             except ImportError:
                 raise ValueError(PLOT_HINT) from None
-        built = [model_and_inputs(s, args.size, args.seed, args.input_shape) for s in specs]
+        settings = dict(parse_setting(text) for text in args.set)
+        built = [
+            model_and_inputs(s, args.size, args.seed, args.input_shape, settings) for s in specs
+        ]
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -53,6 +54,7 @@ __all__ = [
     "SmallCNN",
     "TinyGPT",
     "build_model",
+    "model_settings",
     "residual_mlp",
     "small_cnn",
     "tiny_gpt",
@@ -464,6 +466,29 @@ _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "default": {},
     },
 }
+
+
+def model_settings(name: str, size: str = "default") -> dict[str, Any]:
+    """The keyword arguments ``build_model(name, size)`` passes its factory (seed aside).
+
+    Every argument the factory takes is listed, with the preset's value or the
+    factory's default; a ``build_model`` override may replace any of them.
+
+    Raises:
+        ValueError: for an unknown name or size.
+    """
+    if name not in _FACTORIES:
+        raise ValueError(
+            f"forget: unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}."
+        )
+    if size not in SIZES:
+        raise ValueError(f"forget: unknown size {size!r}; expected one of {', '.join(SIZES)}.")
+    defaults = {
+        key: p.default
+        for key, p in inspect.signature(_FACTORIES[name]).parameters.items()
+        if key != "seed"
+    }
+    return {**defaults, **_PRESETS[name][size]}
 
 
 def build_model(name: str, size: str = "default", *, seed: int = 0, **overrides: Any) -> BlockModel:
