@@ -133,6 +133,34 @@ def test_plan_is_the_fastest_measured_of_the_fitting_candidates(planned, monkeyp
     assert plan.measured_peak_bytes <= plan.budget_bytes
 
 
+def test_a_region_ending_the_chain_is_kept_when_that_fits(planned, monkeypatch):
+    # NOTE [the last segment]: forgetting every stage (a baseline) ends in a region;
+    # at the least budget it fits, its twin with the last stage kept is timed in its
+    # place when that fits too, and no timed candidate ends in a region it need not.
+    _, _, _, _, planner = planned
+    timed: list[tuple] = []
+    real = planning.time_side_by_side
+
+    def spy(target, runners, repeats):
+        timed.extend(r.items for r in runners.values())
+        return real(target, runners, 1)
+
+    monkeypatch.setattr(planning, "time_side_by_side", spy)
+    budget = planner.plan(planner.plain_peak).min_feasible_bytes
+    plan = planner.plan(budget)
+    n = len(planner.chain)
+    each = P._baselines.forget_each_items(n)
+    twin = (*each[:-1], P.Keep(n - 1))
+    fits = planner.trials.peak(P.Schedule.from_items(planner.chain, twin)) <= budget
+    for items in [*timed, plan.schedule.items]:
+        if isinstance(items[-1], P.Region):
+            unwrapped = items[:-1] + items[-1].items
+            peak = planner.trials.peak(P.Schedule.from_items(planner.chain, unwrapped))
+            assert peak > budget, items
+    assert each not in timed or not fits
+    assert plan.measured_peak_bytes <= budget
+
+
 def test_planning_leaves_the_model_and_rng_as_they_were():
     model, x, target = _model("small_cnn")
     before = copy.deepcopy(model.state_dict())

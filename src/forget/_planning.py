@@ -20,6 +20,16 @@ measured wins, so a plan is never slower than a fitting uniform
 segmentation, up to timing noise. A returned plan has ``measured_peak_bytes <=
 budget_bytes`` by construction, for the inputs it was planned with.
 
+NOTE [the last segment]: a top-level region that ends the chain is re-run as
+soon as backward starts, so its activations are back at the very moment they
+would have been kept until: forgetting it buys no memory at the peak and
+costs its re-run (`torch.utils.checkpoint.checkpoint_sequential` runs its last
+segment plainly for this reason). A candidate that ends in one (the Rotor
+program may, at its least memory; forgetting every block does) is replaced by
+the same schedule with that region's items run at the top level, when that
+one's measured peak fits as well: less work at a peak within the budget,
+which timing noise must not get to choose against.
+
 NOTE [time of a region]: the planners' time model (Rotor's) charges a
 forgotten stage one extra forward without grad. forget's region does
 more than that: its forward runs with grad under saved-tensor hooks and a
@@ -845,6 +855,28 @@ class _Planner:
                 for k in range(2, n + 1)
             ]
 
+    def _keep_last_segment(
+        self, schedule: P.Schedule, peak: int, budget_bytes: int
+    ) -> tuple[P.Schedule, int]:
+        """``schedule`` with a region that ends the chain unwrapped, if that fits.
+
+        NOTE [the last segment]. Unwraps repeatedly (a nested region may end the
+        chain again); stages inside a region carry no option, so the result is
+        a valid schedule.
+        """
+        items = schedule.items
+        while items and isinstance(items[-1], P.Region):
+            items = items[:-1] + items[-1].items
+        if items == schedule.items:
+            return schedule, peak
+        variant = P.Schedule.from_items(
+            self.chain, items, algorithm=f"{schedule.algorithm}, last segment kept"
+        )
+        variant_peak = self.trials.peak(variant)
+        if variant_peak <= budget_bytes:
+            return variant, variant_peak
+        return schedule, peak
+
     def _fastest(self, fitting: list[tuple[P.Schedule, int]]) -> tuple[P.Schedule, int]:
         """The fitting schedule whose step is fastest, measured (NOTE [measured, not predicted]).
 
@@ -903,6 +935,7 @@ class _Planner:
                 if hi - lo <= max(1, hi // 1000):
                     break
                 probe = (lo + hi) // 2
+        fitting = [self._keep_last_segment(s, p, budget_bytes) for s, p in fitting]
         best, best_peak = self._fastest(fitting)
         schedule = dataclasses.replace(best, budget_bytes=budget_bytes)
         return Plan(
