@@ -271,6 +271,29 @@ def test_stage_options_are_profiled_and_a_partial_keep_is_exact():
     Plan.from_json(plan.to_json(), options={"matmuls": matmuls}).apply(copy.deepcopy(model))
 
 
+def test_every_stage_under_an_option_is_a_measured_baseline(monkeypatch):
+    # NOTE [the last segment]: with options, "every stage under the option, the
+    # last kept whole" is timed beside the other fitting schedules; a stand-in
+    # timing that favours options makes it the plan wherever it fits.
+    model, x, target = _model("tiny_gpt")
+    matmuls = policies_.save_outputs_of(*policies_.MATMUL, *policies_.ATTENTION)
+    planner = _Planner(model, (x, target), options={"matmuls": matmuls}, repeats=1)
+    n = len(planner.chain)
+    every = (*(P.Keep(i, "matmuls") for i in range(n - 1)), P.Keep(n - 1))
+    assert any(b.items == every for b in planner.baselines)
+    peak = planner.trials.peak(P.Schedule.from_items(planner.chain, every))
+    assert peak < planner.plain_peak
+
+    def stand_in(target, runners, repeats):
+        return {k: -str(r.items).count("matmuls") for k, r in runners.items()}
+
+    monkeypatch.setattr(planning, "time_side_by_side", stand_in)
+    plan = planner.plan(peak)
+    assert plan.schedule.items == every
+    assert plan.measured_peak_bytes == peak
+    assert plan.schedule.algorithm == "every stage matmuls"
+
+
 def test_plan_prints_a_table():
     model, x, target = _model("residual_mlp")
     text = str(forget.plan(model, x, target, budget=0.5, repeats=1))

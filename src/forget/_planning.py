@@ -28,7 +28,13 @@ segment plainly for this reason). A candidate that ends in one (the Rotor
 program may, at its least memory; forgetting every block does) is replaced by
 the same schedule with that region's items run at the top level, when that
 one's measured peak fits as well: less work at a peak within the budget,
-which timing noise must not get to choose against.
+which timing noise must not get to choose against. The same holds for a last
+stage run under an option: the parts it re-runs come back as backward starts.
+And with options, "every stage under this option, the last kept" is a
+baseline beside the uniform segmentations: the profile times an option on its
+stage alone, where the memory it spares the rest of the step (allocations and
+page faults of a step holding less) does not show; measured in the full step,
+the choice is made on what it costs there.
 
 NOTE [time of a region]: the planners' time model (Rotor's) charges a
 forgotten stage one extra forward without grad. forget's region does
@@ -849,6 +855,15 @@ class _Planner:
         self.baselines = [
             P.Schedule.from_items(chain, forget_each_items(n), algorithm="forget_each")
         ]
+        # NOTE [the last segment]: every stage under one option, the last kept whole.
+        self.baselines += [
+            P.Schedule.from_items(
+                chain,
+                (*(P.Keep(i, option=name) for i in range(n - 1)), P.Keep(n - 1)),
+                algorithm=f"every stage {name}",
+            )
+            for name in self.policies
+        ]
         if n <= _MAX_UNIFORM_TRIALS:
             self.baselines += [
                 P.Schedule.from_items(chain, uniform_items(n, k), algorithm=f"uniform({k})")
@@ -861,12 +876,16 @@ class _Planner:
         """``schedule`` with a region that ends the chain unwrapped, if that fits.
 
         NOTE [the last segment]. Unwraps repeatedly (a nested region may end the
-        chain again); stages inside a region carry no option, so the result is
-        a valid schedule.
+        chain again; stages inside a region carry no option, so the result is
+        a valid schedule), and keeps the last stage whole rather than under an
+        option, whose re-run of the stage's parts comes as backward starts too.
         """
         items = schedule.items
         while items and isinstance(items[-1], P.Region):
             items = items[:-1] + items[-1].items
+        last = items[-1] if items else None
+        if isinstance(last, P.Keep) and last.option is not None:
+            items = (*items[:-1], P.Keep(last.stage_index))
         if items == schedule.items:
             return schedule, peak
         variant = P.Schedule.from_items(
