@@ -881,9 +881,9 @@ class _Planner:
         option, whose re-run of the stage's parts comes as backward starts too.
         """
         items = schedule.items
-        while items and isinstance(items[-1], P.Region):
+        while isinstance(items[-1], P.Region):  # a region is never empty
             items = items[:-1] + items[-1].items
-        last = items[-1] if items else None
+        last = items[-1]
         if isinstance(last, P.Keep) and last.option is not None:
             items = (*items[:-1], P.Keep(last.stage_index))
         if items == schedule.items:

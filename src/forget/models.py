@@ -468,6 +468,15 @@ _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def _check_name_and_size(name: str, size: str) -> None:
+    if name not in _FACTORIES:
+        raise ValueError(
+            f"forget: unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}."
+        )
+    if size not in SIZES:
+        raise ValueError(f"forget: unknown size {size!r}; expected one of {', '.join(SIZES)}.")
+
+
 def model_settings(name: str, size: str = "default") -> dict[str, Any]:
     """The keyword arguments ``build_model(name, size)`` passes its factory (seed aside).
 
@@ -477,12 +486,7 @@ def model_settings(name: str, size: str = "default") -> dict[str, Any]:
     Raises:
         ValueError: for an unknown name or size.
     """
-    if name not in _FACTORIES:
-        raise ValueError(
-            f"forget: unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}."
-        )
-    if size not in SIZES:
-        raise ValueError(f"forget: unknown size {size!r}; expected one of {', '.join(SIZES)}.")
+    _check_name_and_size(name, size)
     defaults = {
         key: p.default
         for key, p in inspect.signature(_FACTORIES[name]).parameters.items()
@@ -505,11 +509,6 @@ def build_model(name: str, size: str = "default", *, seed: int = 0, **overrides:
     Raises:
         ValueError: for an unknown name or size; the message lists valid ones.
     """
-    if name not in _FACTORIES:
-        raise ValueError(
-            f"forget: unknown model {name!r}; expected one of {', '.join(MODEL_NAMES)}."
-        )
-    if size not in SIZES:
-        raise ValueError(f"forget: unknown size {size!r}; expected one of {', '.join(SIZES)}.")
+    _check_name_and_size(name, size)
     kwargs = {**_PRESETS[name][size], **overrides}
     return _FACTORIES[name](seed=seed, **kwargs)
