@@ -191,6 +191,18 @@ def test_selective_rows_at_another_shape(capsys):
     assert [line.split()[0] for line in out.splitlines()[2:7]] == list(_bench_selective.VARIANTS)
 
 
+def test_selective_default_shape_keeps_attention_tensors_on_the_heap():
+    # At 32 MiB a T x T tensor is past glibc's heap ceiling: each allocation is a fresh
+    # mapping whose page faults slow plain the most (the shape's comment in the module).
+    from forget import _bench_selective
+    from forget.models import model_settings
+
+    shape = {**model_settings("tiny_gpt", "default"), **_bench_selective.OVERRIDES["default"]}
+    scores = shape["batch_size"] * shape["heads"] * shape["context"] ** 2 * 4
+    assert scores == 16 * 2**20
+    assert shape["width"] // shape["heads"] == 64
+
+
 def _instructions_script():
     import importlib.util
     from pathlib import Path
