@@ -179,3 +179,30 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     assert row.uniform_segments == min(selection)
     assert row.plan_overhead == pytest.approx(0.25)
     assert row.uniform_overhead == pytest.approx(0.5)
+
+
+def test_budgets_are_planned_from_the_smallest_up(monkeypatch):
+    # NOTE [monotone in the budget]: each larger budget sees the smaller ones'
+    # schedules; the rows keep the order the budgets were given in.
+    import torch
+
+    from forget._planning import _Planner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    planner = _Planner(model, (torch.randn(64, 32),), repeats=1)
+    planned = []
+    real = _Planner.plan
+
+    def spy(self, budget, **kwargs):
+        planned.append(budget)
+        return real(self, budget, **kwargs)
+
+    monkeypatch.setattr(_Planner, "plan", spy)
+    monkeypatch.setattr(
+        _plan_cli, "time_side_by_side", lambda target, runners, repeats: dict.fromkeys(runners, 1.0)
+    )
+    result = _plan_cli._plan_budgets("m", planner, ["90%", "min", "95%"], "optimal", 1)
+    assert [row.label for row in result.rows] == ["90%", "min", "95%"]
+    budgets = planned[1:]  # the first call finds the least feasible budget
+    assert budgets == sorted(budgets) and len(budgets) == 3

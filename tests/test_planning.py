@@ -161,6 +161,36 @@ def test_a_region_ending_the_chain_is_kept_when_that_fits(planned, monkeypatch):
     assert plan.measured_peak_bytes <= budget
 
 
+def test_a_larger_budget_has_the_smaller_budgets_proposals_among_its_candidates(monkeypatch):
+    # NOTE [monotone in the budget]: a schedule no probe or baseline proposes (the
+    # first stage forgotten in a region of its own inside another, which only adds
+    # a re-run), once proposed, is timed at a budget it fits and, with a stand-in
+    # timing that favours it, is the plan there.
+    model, x, target = _model("residual_mlp")
+    planner = _Planner(model, (x, target), repeats=1)
+    n = len(planner.chain)
+    twice = P.Region((P.Region((P.Keep(0),)),))
+    odd = P.Schedule.from_items(planner.chain, (twice, *(P.Keep(i) for i in range(1, n))))
+    peak = planner.trials.peak(odd)
+    assert peak < planner.plain_peak
+    timed: list[tuple] = []
+
+    def stand_in(target, runners, repeats):
+        timed.extend(r.items for r in runners.values())
+        return {k: 0.0 if r.items == odd.items else 1.0 for k, r in runners.items()}
+
+    monkeypatch.setattr(planning, "time_side_by_side", stand_in)
+    before = planner.plan(peak)
+    assert odd.items not in timed and before.schedule.items != odd.items
+    planner.proposed[odd.items] = odd
+    after = planner.plan(peak)
+    assert after.schedule.items == odd.items
+    assert after.measured_peak_bytes == peak
+    # What a plan proposed is remembered; at the plain peak the plan stays plain.
+    assert before.schedule.items in planner.proposed
+    assert planner.plan(planner.plain_peak).schedule.items == planner.store_all.items
+
+
 def test_planning_leaves_the_model_and_rng_as_they_were():
     model, x, target = _model("small_cnn")
     before = copy.deepcopy(model.state_dict())

@@ -103,9 +103,15 @@ def _plan_budgets(
     name: str, planner: _Planner, labels: Sequence[str], algorithm: str, repeats: int
 ) -> ModelResult:
     min_feasible = planner.plan(planner.plain_peak, algorithm=algorithm).min_feasible_bytes
+    budgets = {
+        label: min_feasible if label == "min" else P.parse_budget(label, planner.plain_peak)
+        for label in labels
+    }
     rows: list[BudgetRow] = []
-    for label in labels:
-        budget = min_feasible if label == "min" else P.parse_budget(label, planner.plain_peak)
+    # NOTE [monotone in the budget]: the smallest budget first, so that each larger
+    # one has the smaller ones' schedules among its candidates; rows keep the order.
+    for label in sorted(labels, key=lambda label: budgets[label]):
+        budget = budgets[label]
         row = BudgetRow(label, budget, min_feasible_bytes=min_feasible)
         try:
             row.plan = planner.plan(budget, algorithm=algorithm)
@@ -144,6 +150,7 @@ def _plan_budgets(
             row.uniform_segments, row.uniform_peak_bytes = k, peak
             row.uniform_overhead = medians.get("uniform", medians["plan"]) / plain - 1
         rows.append(row)
+    rows.sort(key=lambda row: list(labels).index(row.label))
     return ModelResult(name, planner.plain_peak, min_feasible, rows, planner)
 
 
