@@ -12,7 +12,7 @@ from forget.cli import main as cli_main
 
 HEADER = (
     "model         budget  budget MiB  peak MiB  peak/budget  plan overhead  uniform  "
-    "uniform peak MiB  uniform overhead  plan/uniform  schedule"
+    "uniform peak MiB  uniform overhead  plan/uniform  predicted  schedule"
 )
 
 
@@ -179,6 +179,16 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     assert row.uniform_segments == min(selection)
     assert row.plan_overhead == pytest.approx(0.25)
     assert row.uniform_overhead == pytest.approx(0.5)
+    # NOTE [predicted ratio]: the same two schedules in the planner's time model.
+    from forget import plan as P
+
+    plain_s = planner.chain.store_all_time_s
+    items = P._baselines.uniform_items(6, row.uniform_segments)
+    uniform_s = P.Schedule.from_items(planner.chain, items).predicted_time_s
+    assert row.plan is not None and row.predicted_ratio is not None
+    expected = (row.plan.schedule.predicted_time_s - plain_s) / (uniform_s - plain_s)
+    assert row.predicted_ratio == pytest.approx(expected)
+    assert row.as_json()["predicted_ratio"] == row.predicted_ratio
 
 
 def test_budgets_are_planned_from_the_smallest_up(monkeypatch):

@@ -44,6 +44,9 @@ class BudgetRow:
     uniform_segments: int | None = None
     uniform_peak_bytes: int | None = None
     uniform_overhead: float | None = None
+    #: NOTE [predicted ratio]: the plan's and the uniform's predicted extra time, in
+    #: the planner's own model, free of the timing noise of the measured ratio.
+    predicted_ratio: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"budget": self.label, "budget_bytes": self.budget_bytes}
@@ -60,6 +63,7 @@ class BudgetRow:
             uniform_segments=self.uniform_segments,
             uniform_peak_bytes=self.uniform_peak_bytes,
             uniform_overhead=self.uniform_overhead,
+            predicted_ratio=self.predicted_ratio,
         )
         return out
 
@@ -149,6 +153,13 @@ def _plan_budgets(
             k, _, peak = best
             row.uniform_segments, row.uniform_peak_bytes = k, peak
             row.uniform_overhead = medians.get("uniform", medians["plan"]) / plain - 1
+            # NOTE [predicted ratio]
+            plain_s = planner.chain.store_all_time_s
+            uniform_extra_s = best[1].predicted_time_s - plain_s
+            if uniform_extra_s > 0:
+                row.predicted_ratio = (
+                    row.plan.schedule.predicted_time_s - plain_s
+                ) / uniform_extra_s
         rows.append(row)
     rows.sort(key=lambda row: list(labels).index(row.label))
     return ModelResult(name, planner.plain_peak, min_feasible, rows, planner)
@@ -178,6 +189,7 @@ def format_table(results: Sequence[ModelResult]) -> str:
         "uniform peak MiB",
         "uniform overhead",
         "plan/uniform",
+        "predicted",
         "schedule",
     )
     rows: list[tuple[str, ...]] = []
@@ -187,7 +199,7 @@ def format_table(results: Sequence[ModelResult]) -> str:
             if row.plan is None:
                 rows.append(
                     (first, row.label, _mib(row.budget_bytes), "infeasible", "", "", "", "", "", "",
-                     f"min feasible {row.min_feasible_bytes:,} B")
+                     "", f"min feasible {row.min_feasible_bytes:,} B")
                 )  # fmt: skip
                 continue
             ratio = ""
@@ -205,13 +217,14 @@ def format_table(results: Sequence[ModelResult]) -> str:
                     "" if row.uniform_peak_bytes is None else _mib(row.uniform_peak_bytes),
                     _pct(row.uniform_overhead) or "none fits",
                     ratio,
+                    "" if row.predicted_ratio is None else f"{row.predicted_ratio:.2f}x",
                     _items_text(row.plan.schedule),
                 )
             )
     widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
-        left = {0, 1, 10}
+        left = {0, 1, 11}
         return "  ".join(
             f"{c:<{w}}" if i in left else f"{c:>{w}}"
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
@@ -524,7 +537,8 @@ def main(argv: Sequence[str]) -> int:
         print(
             "peak: exact storage bytes of one training step (forget.measure), always <= "
             "budget; overheads: measured step time vs plain, side by side; uniform: the "
-            "fastest checkpoint_sequential-style segmentation whose peak fits the budget."
+            "fastest checkpoint_sequential-style segmentation whose peak fits the budget; "
+            "predicted: plan/uniform in the planner's time model (no timing noise)."
         )
     if args.json is not None:
         payload = {"models": {r.name: r.as_json() for r in results}}
