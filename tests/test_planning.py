@@ -228,6 +228,39 @@ def test_a_larger_budget_has_the_smaller_budgets_proposals_among_its_candidates(
     assert planner.plan(planner.plain_peak).schedule.items == planner.store_all.items
 
 
+def test_alike_stages_get_the_medians_of_their_times():
+    # NOTE [alike stages]: by signature; a stage without one (a plain callable) and a
+    # stage alike to no other keep their own times.
+    def stage(t: float) -> P.Stage:
+        option = P.StageOption("sel", 4, 10 * t)
+        return P.Stage("s", t, t / 2, 2 * t, 8, 8, 16, options=(option,))
+
+    stages = [stage(t) for t in (1.0, 2.0, 9.0, 3.0, 7.0)]
+    pooled = planning._pooled(stages, [("a",), ("a",), ("b",), ("a",), None])
+    assert [s.forward_s for s in pooled] == [2.0, 2.0, 9.0, 2.0, 7.0]
+    assert [s.forward_nograd_s for s in pooled] == [1.0, 1.0, 4.5, 1.0, 3.5]
+    assert [s.backward_s for s in pooled] == [4.0, 4.0, 18.0, 4.0, 14.0]
+    assert [s.options[0].recompute_s for s in pooled] == [20.0, 20.0, 90.0, 20.0, 70.0]
+
+
+def test_profiled_alike_blocks_share_times_and_others_keep_theirs():
+    torch.manual_seed(0)
+
+    def layer(width: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.Linear(width, 32))
+
+    model = nn.Sequential(*[layer(128) for _ in range(4)], layer(64))
+    x = torch.randn(64, 32)
+    chain = planning.profile_chain(model, x, repeats=1)
+    times = [(s.forward_s, s.forward_nograd_s, s.backward_s) for s in chain.stages]
+    assert len(set(times[:4])) == 1
+    assert times[4] != times[0]
+    # The same blocks as plain callables carry no signature: each keeps its own times.
+    calls = [lambda h, m=m: m(h) for m in model]
+    chain = planning.profile_chain(calls, x, repeats=1)
+    assert len({s.forward_s for s in chain.stages[:4]}) > 1
+
+
 def test_planning_leaves_the_model_and_rng_as_they_were():
     model, x, target = _model("small_cnn")
     before = copy.deepcopy(model.state_dict())

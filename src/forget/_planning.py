@@ -37,6 +37,16 @@ stage alone, where the memory it spares the rest of the step (allocations and
 page faults of a step holding less) does not show; measured in the full step,
 the choice is made on what it costs there.
 
+NOTE [alike stages]: identical blocks (a transformer's layers, a residual
+network's blocks) cost the same, but each one's times, measured alone over a
+few repeats on a busy CPU, scatter by tens of percent, and the optimal program
+takes them at face value: it forgets the blocks that happened to measure
+cheap, picking noise as if it were signal. So stages whose module matches
+(type, ``repr``, parameter and buffer shapes, training flag), whose input has
+the same layout and whose byte figures are all equal are given the medians of
+their times (forward, forward without grad, backward, each option's re-run).
+Plain callables, which carry no such description, keep their own.
+
 NOTE [monotone in the budget]: one `_Planner` planning several budgets
 remembers every schedule it proposed, and a budget's candidates include each
 earlier proposal whose measured peak fits it: a plan at a larger budget is
@@ -447,14 +457,66 @@ def _check_options(options: Mapping[str, object] | None) -> dict[str, Policy]:
     return out
 
 
+def _signature(block: Block, h: Tensor, stage: P.Stage) -> tuple[Any, ...] | None:
+    """What makes two stages alike (NOTE [alike stages]); None for a plain callable."""
+    if not isinstance(block, nn.Module):
+        return None
+    params = tuple(
+        (name, tuple(p.shape), p.dtype, p.device, p.requires_grad)
+        for name, p in block.named_parameters()
+    )
+    buffers = tuple((name, tuple(b.shape), b.dtype, b.device) for name, b in block.named_buffers())
+    sizes = (
+        stage.input_bytes,
+        stage.output_bytes,
+        stage.saved_bytes,
+        stage.forward_overhead_bytes,
+        stage.backward_overhead_bytes,
+        tuple((o.name, o.saved_bytes, o.backward_overhead_bytes) for o in stage.options),
+    )
+    layout = (tuple(h.shape), tuple(h.stride()), h.dtype, h.device, h.requires_grad)
+    return (type(block), repr(block), block.training, params, buffers, layout, sizes)
+
+
+def _pooled(stages: list[P.Stage], signatures: list[tuple[Any, ...] | None]) -> list[P.Stage]:
+    """NOTE [alike stages]: alike stages get the medians of their times."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, signature in enumerate(signatures):
+        if signature is not None:
+            groups.setdefault(signature, []).append(i)
+    out = list(stages)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        alike = [stages[i] for i in members]
+        median = statistics.median
+        options = tuple(
+            dataclasses.replace(option, recompute_s=median(s.options[k].recompute_s for s in alike))
+            for k, option in enumerate(alike[0].options)
+        )
+        for i in members:
+            out[i] = dataclasses.replace(
+                stages[i],
+                forward_s=median(s.forward_s for s in alike),
+                forward_nograd_s=median(s.forward_nograd_s for s in alike),
+                backward_s=median(s.backward_s for s in alike),
+                options=options,
+            )
+    return out
+
+
 def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P.Chain:
     if not target.blocks:
         raise ValueError("forget: plan needs at least one block, got none")
     h0 = h = target.chain_input()
     stages = []
+    signatures = []
     for name, block in zip(_stage_names(target), target.blocks, strict=True):
+        before = h
         stage, h = _profile_stage(name, block, h, policies, repeats)
         stages.append(stage)
+        signatures.append(_signature(block, before, stage))
+    stages = _pooled(stages, signatures)
     # NOTE [time of a region]: the fixed part, charged once per region.
     region_s = _region_overhead_s(target.blocks, h0, stages, repeats)
     stages = [
