@@ -903,7 +903,7 @@ def time_side_by_side(
 
 
 def _displaces(rounds: Sequence[float], reference: Sequence[float]) -> bool:
-    """NOTE [consistently faster]: faster than ``reference`` in two rounds of three or more."""
+    """NOTE [consistently faster]: faster than ``reference`` in two thirds of the rounds or more."""
     wins = sum(a < b for a, b in zip(rounds, reference, strict=True))
     return 3 * wins >= 2 * len(rounds)
 
