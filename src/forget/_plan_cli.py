@@ -154,12 +154,9 @@ def _plan_budgets(
             row.uniform_segments, row.uniform_peak_bytes = k, peak
             row.uniform_overhead = medians.get("uniform", medians["plan"]) / plain - 1
             # NOTE [predicted ratio]
-            plain_s = planner.chain.store_all_time_s
-            uniform_extra_s = best[1].predicted_time_s - plain_s
+            uniform_extra_s = best[1].predicted_overhead_s
             if uniform_extra_s > 0:
-                row.predicted_ratio = (
-                    row.plan.schedule.predicted_time_s - plain_s
-                ) / uniform_extra_s
+                row.predicted_ratio = row.plan.schedule.predicted_overhead_s / uniform_extra_s
         rows.append(row)
     rows.sort(key=lambda row: list(labels).index(row.label))
     return ModelResult(name, planner.plain_peak, min_feasible, rows, planner)
