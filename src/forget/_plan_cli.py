@@ -535,7 +535,7 @@ def main(argv: Sequence[str]) -> int:
             "peak: exact storage bytes of one training step (forget.measure), always <= "
             "budget; overheads: measured step time vs plain, side by side; uniform: the "
             "fastest checkpoint_sequential-style segmentation whose peak fits the budget; "
-            "predicted: plan/uniform in the planner's time model (no timing noise)."
+            "predicted: plan/uniform in the planner's time model, from the profile."
         )
     if args.json is not None:
         payload = {"models": {r.name: r.as_json() for r in results}}
