@@ -496,3 +496,28 @@ def test_docstring_examples() -> None:
 def test_import_does_not_pull_torch() -> None:
     code = "import forget.plan, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_on_sub_stages_maps_block_schedules_onto_finer_stages() -> None:
+    from forget.plan._baselines import on_sub_stages, uniform_items
+
+    sizes = (2, 1, 3)
+    assert on_sub_stages(uniform_items(3, 2), sizes) == (
+        Region((Keep(0), Keep(1))),
+        Keep(2),
+        Keep(3),
+        Keep(4),
+        Keep(5),
+    )
+    nested = (Region((Region((Keep(0),)), Keep(1, option="sel"))), Keep(2))
+    assert on_sub_stages(nested, sizes) == (
+        Region((Region((Keep(0), Keep(1))), Keep(2, option="sel"))),
+        Keep(3),
+        Keep(4),
+        Keep(5),
+    )
+    assert on_sub_stages(uniform_items(3, 3), (1, 1, 1)) == uniform_items(3, 3)
+    with pytest.raises(ValueError, match="at least one stage"):
+        on_sub_stages((Keep(0),), (0,))
+    with pytest.raises(ValueError, match="names block 3, but there are 3 blocks"):
+        on_sub_stages((Keep(3),), sizes)

@@ -216,3 +216,17 @@ def test_budgets_are_planned_from_the_smallest_up(monkeypatch):
     assert [row.label for row in result.rows] == ["90%", "min", "95%"]
     budgets = planned[1:]  # the first call finds the least feasible budget
     assert budgets == sorted(budgets) and len(budgets) == 3
+
+
+def test_split_plans_the_blocks_stages_against_uniform_segments_of_whole_blocks(tmp_path, capsys):
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--model", "tiny_gpt", "--size", "tiny", "--budgets", "75%,min", "--split"]
+    assert cli_main([*argv, "--repeats", "1", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "blocks split into their stages" in out
+    model = json.loads(out_json.read_text())["models"]["tiny_gpt"]
+    assert (model["blocks"], model["stages"]) == (2, 4)
+    for row in model["budgets"]:
+        assert row["measured_peak_bytes"] <= row["budget_bytes"]
+        # Uniform segments are counted in whole blocks.
+        assert row["uniform_segments"] in (None, 1, 2)

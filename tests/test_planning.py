@@ -509,3 +509,106 @@ def test_profile_charges_a_fixed_cost_per_region():
     split = P.Schedule.from_items(chain, tuple(P.Region((P.Keep(i),)) for i in range(n)))
     fixed = (n - 1) * chain.region_overhead_s
     assert split.predicted_time_s - merged.predicted_time_s == pytest.approx(fixed)
+
+
+# ------------------------------------------------------------ NOTE [finer stages]
+
+
+@pytest.mark.parametrize(("name", "parts"), [("tiny_gpt", ["attn", "mlp"]), ("small_cnn", None)])
+def test_split_plans_inside_blocks_exactly_and_keeps_baselines_on_whole_blocks(name, parts):
+    model, x, target = _model(name)
+    planner = _Planner(model, (x, target), repeats=1, split=True)
+    blocks = len(model.blocks)
+    per_block = len(parts) if parts else 3  # conv, bn, relu
+    assert planner.block_sizes == (per_block,) * blocks
+    names = [s.name for s in planner.chain.stages]
+    assert len(names) == per_block * blocks
+    assert names[:per_block] == [f"blocks.0.{p}" for p in parts or ["conv", "bn", "relu"]]
+    # Every baseline cuts the chain only where blocks meet.
+    cuts = set(range(0, per_block * blocks + 1, per_block))
+
+    def bounds(items):
+        for item in items:
+            if isinstance(item, P.Region):
+                yield item.start
+                yield item.stop
+                yield from bounds(item.items)
+
+    for schedule in planner.baselines:
+        if not schedule.algorithm.startswith("every stage"):
+            assert set(bounds(schedule.items)) <= cuts, schedule
+    plain = _step(copy.deepcopy(model), x, target)
+    inside = False
+    for share in (0.75, 0.5, 0.35):
+        try:
+            plan = planner.plan(int(share * planner.plain_peak))
+        except BudgetInfeasibleError:
+            continue
+        assert plan.block_stages == planner.block_sizes
+        inside |= not set(bounds(plan.schedule.items)) <= cuts
+        ours = plan.apply(copy.deepcopy(model))
+        loss, grads, buffers = _step(ours, x, target)
+        assert torch.equal(loss, plain[0])
+        assert all(torch.equal(grads[k], plain[1][k]) for k in plain[1])
+        assert all(torch.equal(buffers[k], plain[2][k]) for k in plain[2])
+        assert _peak(ours, x, target) == plan.measured_peak_bytes <= plan.budget_bytes
+    least = planner.plan(planner.plain_peak).min_feasible_bytes
+    plan = planner.plan(least)
+    assert _peak(plan.apply(copy.deepcopy(model)), x, target) <= least
+    inside |= not set(bounds(plan.schedule.items)) <= cuts
+    assert inside, "no plan cut inside a block; the split was not used"
+
+
+def test_a_split_plan_round_trips_and_checks_the_blocks_it_splits(tmp_path):
+    model, x, target = _model("tiny_gpt")
+    plan = forget.plan(model, x, target, budget=0.5, repeats=1, split=True)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert json.loads(path.read_text())["block_stages"] == [2] * len(model.blocks)
+    loaded = forget.Plan.load(path)
+    assert loaded == plan
+    plain = _step(copy.deepcopy(model), x, target)
+    loss, grads, _ = _step(loaded.apply(copy.deepcopy(model)), x, target)
+    assert torch.equal(loss, plain[0])
+    assert all(torch.equal(grads[k], plain[1][k]) for k in grads)
+    with pytest.raises(ValueError, match="for 4 blocks split into 8 stages, got 3 blocks"):
+        plan.runner(list(model.blocks)[:3])
+    with pytest.raises(ValueError, match="block 1 gives 1 stages, but the plan was made when"):
+        plan.runner([model.blocks[0], nn.Identity(), *model.blocks[2:]])
+    bad = json.loads(path.read_text())
+    bad["block_stages"] = [2, 2]
+    with pytest.raises(ValueError, match="do not add up"):
+        forget.Plan.from_dict(bad)
+    # A chain profiled without split does not fit a split planner.
+    chain = planning.profile_chain(model, x, target, repeats=1)
+    with pytest.raises(ValueError, match="with split: 8"):
+        forget.plan(model, x, target, budget=0.5, chain=chain, split=True)
+
+
+def test_sub_stages_come_from_forget_stages_or_a_sequentials_children():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    assert [name for name, _ in planning.sub_stages(seq)] == ["0", "1"]
+    assert planning.sub_stages(nn.Linear(4, 4)) is None
+    assert planning.sub_stages(nn.Sequential()) is None
+
+    class Bad(nn.Module):
+        def forget_stages(self):
+            return [nn.ReLU()]
+
+    with pytest.raises(TypeError, match=r"Bad.forget_stages\(\) must return a non-empty dict"):
+        planning.sub_stages(Bad())
+    with pytest.raises(TypeError, match="split must be a bool"):
+        forget.plan([nn.ReLU()], torch.ones(2), budget=10**9, split="yes")
+    # A Sequential of Sequentials splits into the inner layers, named by both.
+    net = _sequential()
+    x = torch.randn(64, 32)
+    plan = forget.plan(net, x, budget="60%", repeats=1, split=True)
+    assert [s.name for s in plan.chain.stages][:4] == ["0.0", "0.1", "0.2", "0.3"]
+    ours = plan.apply(copy.deepcopy(net))
+    grads = []
+    for model in (net, ours):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        model(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

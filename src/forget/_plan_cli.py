@@ -82,6 +82,7 @@ class ModelResult:
         return {
             "plain_peak_bytes": self.plain_peak_bytes,
             "min_feasible_bytes": self.min_feasible_bytes,
+            "blocks": len(self.planner.block_sizes),
             "stages": len(self.planner.chain),
             "budgets": [r.as_json() for r in self.rows],
         }
@@ -96,11 +97,8 @@ def _items_text(schedule: P.Schedule) -> str:
 
 
 def _uniform_schedules(planner: _Planner) -> list[tuple[int, P.Schedule]]:
-    n = len(planner.chain)
-    return [
-        (k, P.Schedule.from_items(planner.chain, P._baselines.uniform_items(n, k)))
-        for k in range(1, n + 1)
-    ]
+    """Every uniform segmentation of the blocks (NOTE [finer stages]: whole blocks, with split)."""
+    return [(k, planner.uniform(k)) for k in range(1, len(planner.block_sizes) + 1)]
 
 
 def _plan_budgets(
@@ -143,7 +141,7 @@ def _plan_budgets(
                 repeats,
             )
             best = min(others, key=lambda f: selection[f[0]])
-        runners: dict[str, Any] = {"plain": None, "plan": row.plan.runner(planner.target.blocks)}
+        runners: dict[str, Any] = {"plain": None, "plan": planner.runner(row.plan)}
         if best is not None and not same:
             runners["uniform"] = _Items(best[1].items, planner.target.blocks, {})
         medians = time_side_by_side(planner.target, runners, repeats)
@@ -241,7 +239,7 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
         base = chain.store_all_time_s
         points = P.pareto(chain)
         dp = sorted((p for p in points if p.algorithm == "optimal"), key=lambda p: p.peak_bytes)
-        uni = [p for p in points if p.algorithm == "uniform"]
+        uni = _uniform_schedules(result.planner)
         ax.plot(
             [(p.peak_bytes + outside) / _MIB for p in dp],
             [100 * p.overhead_s / base for p in dp],
@@ -250,20 +248,21 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
             label="optimal DP (predicted)",
         )
         ax.plot(
-            [(p.peak_bytes + outside) / _MIB for p in uni],
-            [100 * p.overhead_s / base for p in uni],
+            [(s.predicted_peak_bytes + outside) / _MIB for _, s in uni],
+            [100 * s.predicted_overhead_s / base for _, s in uni],
             "s",
             label="uniform segments, k = 1..L (predicted)",
         )
-        for p in uni:
+        for k, s in uni:
             ax.annotate(
-                f"k={p.segments}",
-                ((p.peak_bytes + outside) / _MIB, 100 * p.overhead_s / base),
+                f"k={k}",
+                ((s.predicted_peak_bytes + outside) / _MIB, 100 * s.predicted_overhead_s / base),
                 fontsize=7,
                 xytext=(3, 3),
                 textcoords="offset points",
             )
-        forget_all = P.Schedule.from_items(chain, P._baselines.forget_each_items(len(chain)))
+        blocks = len(result.planner.block_sizes)
+        forget_all = result.planner.on_blocks(P._baselines.forget_each_items(blocks), "forget_each")
         ax.plot(
             [result.plain_peak_bytes / _MIB],
             [0.0],
@@ -288,7 +287,8 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
         )
         ax.set_xlabel("peak memory of one step (MiB)")
         ax.set_ylabel("step-time overhead vs plain (%)")
-        ax.set_title(f"{result.name} ({len(chain)} blocks)")
+        split = f", {len(chain)} stages" if len(chain) != blocks else ""
+        ax.set_title(f"{result.name} ({blocks} blocks{split})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("forget plan: peak memory vs recomputation overhead")
@@ -462,6 +462,14 @@ def _parser() -> argparse.ArgumentParser:
             "sel=LINEAR+CONV+ATTENTION+DROPOUT (repeatable)"
         ),
     )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help=(
+            "plan on the stages the blocks offer (a GPT block's residual halves, a conv "
+            "block's conv, BN and ReLU); uniform segments stay on whole blocks"
+        ),
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of models and inputs (default 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
@@ -512,7 +520,9 @@ def main(argv: Sequence[str]) -> int:
     results = []
     try:
         for name, model, inputs in built:
-            planner = _Planner(model, inputs, options=options or None, repeats=args.repeats)
+            planner = _Planner(
+                model, inputs, options=options or None, repeats=args.repeats, split=args.split
+            )
             results.append(_plan_budgets(name, planner, labels, args.algorithm, args.repeats))
             progress.update(name)
     finally:
@@ -521,6 +531,7 @@ def main(argv: Sequence[str]) -> int:
         print(
             f"forget plan ({args.algorithm}): {args.size} sizes, median of {args.repeats} "
             f"steps per schedule, {torch.get_num_threads()} threads, torch {torch.__version__}"
+            + (", blocks split into their stages" if args.split else "")
         )
         for name, policy in options.items():
             print(f"option {name}: {policy}")

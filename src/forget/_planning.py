@@ -47,6 +47,23 @@ the same layout and whose byte figures are all equal are given the medians of
 their times (forward, forward without grad, backward, each option's re-run).
 Plain callables, which carry no such description, keep their own.
 
+NOTE [finer stages]: on a chain of equal blocks, a budget that some segment
+count fills is met best by that uniform segmentation: every schedule over
+whole blocks that fits it does at least as much work. Cutting the blocks
+finer opens schedules that are not on whole blocks: a region may end inside
+a block, and a part of a block may be kept while the rest is forgotten (a
+GPT block's attention half, whose attention weights are large and cheap to
+recompute, beside its MLP half, which is the reverse). With ``split``, each
+block that offers stages (a ``forget_stages()`` method returning name ->
+callable, run in turn; an ``nn.Sequential`` block's children) becomes that
+many stages. The stages meet at single tensors, as blocks do; block ``i``
+gives ``block_sizes[i]`` of them. The baselines (a region per block,
+uniform segments) stay on whole blocks, as a user would cut the model with
+``checkpoint_sequential``, and remain candidates: every schedule over whole
+blocks is one over the finer stages too, so the search space only grows.
+A plan made with ``split`` records ``block_stages`` and splits the blocks
+again when it runs them.
+
 NOTE [monotone in the budget]: one `_Planner` planning several budgets
 remembers every schedule it proposed, and a budget's candidates include each
 earlier proposal whose measured peak fits it: a plan at a larger budget is
@@ -94,7 +111,7 @@ from . import plan as P
 from ._core import run_region
 from ._errors import BudgetInfeasibleError
 from ._measure import measure
-from .plan._baselines import forget_each_items, uniform_items
+from .plan._baselines import forget_each_items, on_sub_stages, uniform_items
 from .policies import Policy, as_policy
 
 __all__ = ["Plan", "PlannedSequential", "plan", "profile_chain"]
@@ -138,6 +155,10 @@ class _Target:
     kind: str  # "sequential", "block_model" or "callables"
     model: Any  # the nn.Module (a reference model for kind "block_model"), or None
     loss_fn: LossFn | None
+    # NOTE [finer stages]: with split, ``blocks`` are the blocks' stages, block
+    # ``i`` giving ``block_sizes[i]`` of them (None: one stage per block).
+    block_sizes: tuple[int, ...] | None = None
+    names: list[str] = field(default_factory=list)
 
     def chain_input(self) -> Tensor:
         if self.kind == "block_model":
@@ -171,7 +192,58 @@ class _Target:
         return h
 
 
-def _target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> _Target:
+def sub_stages(block: object) -> list[tuple[str, Block]] | None:
+    """The stages a block offers (NOTE [finer stages]), or None when it is one stage.
+
+    A block offers them with a ``forget_stages()`` method returning a dict of
+    name -> callable (tensor -> tensor), which run in turn compute what the
+    block computes; an ``nn.Sequential`` block offers its children.
+
+    Raises:
+        TypeError: ``forget_stages()`` returned something else.
+    """
+    offer = getattr(block, "forget_stages", None)
+    if callable(offer):
+        stages = offer()
+        if (
+            not isinstance(stages, Mapping)
+            or not stages
+            or not all(isinstance(k, str) and callable(v) for k, v in stages.items())
+        ):
+            raise TypeError(
+                f"forget: {type(block).__name__}.forget_stages() must return a non-empty dict "
+                "of name -> callable (tensor -> tensor)"
+            )
+        return list(stages.items())
+    if isinstance(block, nn.Sequential) and len(block) > 0:
+        return list(block.named_children())
+    return None
+
+
+def _split(target: _Target) -> _Target:
+    """The same target, its blocks replaced by their stages (NOTE [finer stages])."""
+    blocks: list[Block] = []
+    names: list[str] = []
+    sizes: list[int] = []
+    for name, block in zip(target.names, target.blocks, strict=True):
+        stages = sub_stages(block) or [("", block)]
+        blocks += [stage for _, stage in stages]
+        names += [f"{name}.{sub}" if sub else name for sub, _ in stages]
+        sizes.append(len(stages))
+    return dataclasses.replace(target, blocks=blocks, names=names, block_sizes=tuple(sizes))
+
+
+def _target(
+    model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None, split: bool = False
+) -> _Target:
+    if not isinstance(split, bool):
+        raise TypeError(f"forget: split must be a bool, got {type(split).__name__}")
+    target = _whole_target(model, inputs, loss_fn)
+    target.names = _stage_names(target)
+    return _split(target) if split else target
+
+
+def _whole_target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> _Target:
     from .models import BlockModel
 
     if loss_fn is not None and not callable(loss_fn):
@@ -511,7 +583,7 @@ def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P
     h0 = h = target.chain_input()
     stages = []
     signatures = []
-    for name, block in zip(_stage_names(target), target.blocks, strict=True):
+    for name, block in zip(target.names, target.blocks, strict=True):
         before = h
         stage, h = _profile_stage(name, block, h, policies, repeats)
         stages.append(stage)
@@ -532,6 +604,7 @@ def profile_chain(
     loss_fn: LossFn | None = None,
     options: Mapping[str, Policy | bool] | None = None,
     repeats: int = 3,
+    split: bool = False,
 ) -> P.Chain:
     """Measure a chain of blocks into a `forget.plan.Chain` of plain numbers.
 
@@ -547,11 +620,14 @@ def profile_chain(
         loss_fn: unused here (accepted so that the arguments match `plan`).
         options: name -> policy: partial keeps the planner may pick per stage.
         repeats: timing repeats per figure.
+        split: one stage per stage a block offers (NOTE [finer stages]: a
+            ``forget_stages()`` method, or an ``nn.Sequential`` block's
+            children), named ``block.stage``; blocks that offer none stay whole.
 
     Returns:
         The chain; ``str(stage)`` shows each stage's figures.
     """
-    target = _target(blocks, sample_inputs, loss_fn)
+    target = _target(blocks, sample_inputs, loss_fn, split)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"forget: repeats must be an int >= 1, got {repeats!r}")
     with _untouched(target):
@@ -624,6 +700,8 @@ class Plan:
         min_feasible_bytes: measured peak of the least-memory schedule: the
             smallest budget `plan` accepts for this model and input.
         option_names: the stage options the planner could choose from.
+        block_stages: planned with ``split`` (NOTE [finer stages]): how many
+            stages each block gave; ``None``: one stage per block.
     """
 
     schedule: P.Schedule
@@ -635,6 +713,7 @@ class Plan:
     min_feasible_bytes: int
     option_names: tuple[str, ...] = ()
     policies: Mapping[str, Policy] = field(default_factory=dict, compare=False, repr=False)
+    block_stages: tuple[int, ...] | None = None
 
     @property
     def predicted_overhead(self) -> float:
@@ -646,9 +725,13 @@ class Plan:
 
         Raises:
             ValueError: not as many blocks as the plan has stages, or an option
-                the plan uses has no policy (a loaded plan: pass ``options``).
+                the plan uses has no policy (a loaded plan: pass ``options``);
+                for a plan made with ``split``, not as many blocks as it was
+                made for, or a block that now gives another number of stages.
         """
         blocks = list(blocks)
+        if self.block_stages is not None:
+            blocks = self._stages_of(blocks)
         if len(blocks) != self.schedule.num_stages:
             raise ValueError(
                 f"forget: this plan is for {self.schedule.num_stages} blocks, got {len(blocks)}"
@@ -661,6 +744,26 @@ class Plan:
                 "load it with Plan.load(path, options={name: policy, ...})"
             )
         return _Items(self.schedule.items, blocks, self.policies)
+
+    def _stages_of(self, blocks: list[Block]) -> list[Block]:
+        """The blocks' stages, as the plan was made on them (NOTE [finer stages])."""
+        sizes = self.block_stages
+        assert sizes is not None
+        if len(blocks) != len(sizes):
+            raise ValueError(
+                f"forget: this plan is for {len(sizes)} blocks split into "
+                f"{self.schedule.num_stages} stages, got {len(blocks)} blocks"
+            )
+        out: list[Block] = []
+        for i, (block, size) in enumerate(zip(blocks, sizes, strict=True)):
+            stages = [stage for _, stage in sub_stages(block) or [("", block)]]
+            if len(stages) != size:
+                raise ValueError(
+                    f"forget: block {i} gives {len(stages)} stages, but the plan was made "
+                    f"when it gave {size}"
+                )
+            out += stages
+        return out
 
     def apply(self, model: Any) -> Any:
         """Make ``model`` run under this plan.
@@ -739,6 +842,7 @@ class Plan:
             "plain_peak_bytes": self.plain_peak_bytes,
             "min_feasible_bytes": self.min_feasible_bytes,
             "option_names": list(self.option_names),
+            "block_stages": None if self.block_stages is None else list(self.block_stages),
         }
 
     def to_json(self) -> str:
@@ -761,6 +865,12 @@ class Plan:
             fields = dict(s)
             fields["options"] = tuple(P.StageOption(**o) for o in fields.get("options", ()))
             stages.append(P.Stage(**fields))
+        sizes = obj.get("block_stages")
+        if sizes is not None and sum(int(n) for n in sizes) != len(stages):
+            raise ValueError(
+                f"forget: the saved plan's block_stages {sizes} do not add up to its "
+                f"{len(stages)} stages"
+            )
         return cls(
             schedule=P.Schedule.from_dict(obj["schedule"]),
             chain=P.Chain(
@@ -773,6 +883,7 @@ class Plan:
             min_feasible_bytes=int(obj["min_feasible_bytes"]),
             option_names=tuple(obj.get("option_names", ())),
             policies=_check_options(options),
+            block_stages=None if sizes is None else tuple(int(n) for n in sizes),
         )
 
     @classmethod
@@ -816,6 +927,7 @@ def plan(
     options: Mapping[str, Policy | bool] | None = None,
     repeats: int = 3,
     chain: P.Chain | None = None,
+    split: bool = False,
 ) -> Plan:
     """Fit a training step into ``budget`` bytes with the least recomputation.
 
@@ -836,7 +948,12 @@ def plan(
             recomputation), e.g. ``{"matmuls": save_outputs_of(*MATMUL)}``.
         repeats: timing repeats per profiled figure.
         chain: figures from an earlier `profile_chain` of the same blocks and
-            options, to skip profiling.
+            options (and ``split``), to skip profiling.
+        split: plan on the stages the blocks offer (NOTE [finer stages]), so
+            regions may start and end inside a block: a GPT block's two
+            residual halves, a conv block's conv, BatchNorm and ReLU. The
+            baselines stay on whole blocks. Off by default: profiling then
+            takes as long per stage.
 
     Returns:
         A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` runs it.
@@ -864,6 +981,7 @@ def plan(
         options=options,
         repeats=repeats,
         chain=chain,
+        split=split,
     )
     return planner.plan(budget, algorithm=algorithm)
 
@@ -920,13 +1038,20 @@ class _Planner:
         options: Mapping[str, Policy | bool] | None = None,
         repeats: int = 3,
         chain: P.Chain | None = None,
+        split: bool = False,
     ) -> None:
-        self.target = _target(model_or_blocks, sample_inputs, loss_fn)
+        self.target = _target(model_or_blocks, sample_inputs, loss_fn, split)
         self.policies = _check_options(options)
         if chain is None:
-            chain = profile_chain(model_or_blocks, *sample_inputs, options=options, repeats=repeats)
+            chain = profile_chain(
+                model_or_blocks, *sample_inputs, options=options, repeats=repeats, split=split
+            )
         elif not isinstance(chain, P.Chain) or len(chain) != len(self.target.blocks):
-            raise ValueError("forget: chain must be a forget.plan.Chain with one stage per block")
+            raise ValueError(
+                "forget: chain must be a forget.plan.Chain with one stage per block "
+                f"({'per stage of a block, with split' if split else 'no split'}: "
+                f"{len(self.target.blocks)})"
+            )
         self.chain = chain
         self.repeats = repeats
         self.trials = _Trials(self.target, self.policies)
@@ -939,10 +1064,10 @@ class _Planner:
         self.plain_peak = self.trials.peak(self.store_all)
         self.outside = self.plain_peak - self.store_all.predicted_peak_bytes
         # Baselines measured alongside the planner's own schedules: the plan is
-        # never slower (predicted) than a fitting one of them.
-        self.baselines = [
-            P.Schedule.from_items(chain, forget_each_items(n), algorithm="forget_each")
-        ]
+        # never slower (predicted) than a fitting one of them. They are made on
+        # the blocks (NOTE [finer stages]), as a user would cut the model.
+        self.block_sizes = self.target.block_sizes or (1,) * n
+        self.baselines = [self.on_blocks(forget_each_items(len(self.block_sizes)), "forget_each")]
         # NOTE [the last segment]: every stage under one option, the last kept whole.
         self.baselines += [
             P.Schedule.from_items(
@@ -952,11 +1077,23 @@ class _Planner:
             )
             for name in self.policies
         ]
-        if n <= _MAX_UNIFORM_TRIALS:
-            self.baselines += [
-                P.Schedule.from_items(chain, uniform_items(n, k), algorithm=f"uniform({k})")
-                for k in range(2, n + 1)
-            ]
+        if len(self.block_sizes) <= _MAX_UNIFORM_TRIALS:
+            self.baselines += [self.uniform(k) for k in range(2, len(self.block_sizes) + 1)]
+
+    def runner(self, plan: Plan) -> Block:
+        """Run ``plan`` on the planned chain's stages (as `Plan.runner` on the blocks)."""
+        return _Items(plan.schedule.items, self.target.blocks, plan.policies)
+
+    def on_blocks(self, items: tuple[P.Keep | P.Region, ...], algorithm: str) -> P.Schedule:
+        """A schedule written over the blocks, on the planned chain (NOTE [finer stages])."""
+        return P.Schedule.from_items(
+            self.chain, on_sub_stages(items, self.block_sizes), algorithm=algorithm
+        )
+
+    def uniform(self, segments: int) -> P.Schedule:
+        """``segments`` uniform segments of the blocks, as ``checkpoint_sequential`` cuts them."""
+        items = uniform_items(len(self.block_sizes), segments)
+        return self.on_blocks(items, f"uniform({segments})")
 
     def _keep_last_segment(
         self, schedule: P.Schedule, peak: int, budget_bytes: int
@@ -1077,4 +1214,5 @@ class _Planner:
             min_feasible_bytes=min_feasible,
             option_names=tuple(self.policies),
             policies=self.policies,
+            block_stages=self.target.block_sizes,
         )

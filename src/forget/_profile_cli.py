@@ -175,7 +175,7 @@ def main(argv: Sequence[str]) -> int:
             plan, infeasible = None, exc
         progress.update("planned")
         plain_line = timeline(planner, None)
-        planned_line = [] if plan is None else timeline(planner, plan.runner(planner.target.blocks))
+        planned_line = [] if plan is None else timeline(planner, planner.runner(plan))
         progress.update("timeline")
     finally:
         progress.close()

@@ -208,6 +208,10 @@ class _ConvBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return F.relu(self.bn(self.conv(x)))
 
+    def forget_stages(self) -> dict[str, nn.Module]:
+        """NOTE [finer stages]: ``conv``, ``bn``, ``relu``, run in turn as `forward` runs them."""
+        return {"conv": self.conv, "bn": self.bn, "relu": nn.ReLU()}
+
 
 class SmallCNN(BlockModel):
     """Conv-BatchNorm-ReLU blocks on images, then global pooling and a classifier.
@@ -300,8 +304,45 @@ class _GPTBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, h: Tensor) -> Tensor:
-        h = h + self.drop(self.attn(self.ln1(h)))
-        return h + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(h)))))
+        return self._mlp_half(self._attn_half(h))
+
+    def _attn_half(self, h: Tensor) -> Tensor:
+        out: Tensor = h + self.drop(self.attn(self.ln1(h)))
+        return out
+
+    def _mlp_half(self, h: Tensor) -> Tensor:
+        out: Tensor = h + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(h)))))
+        return out
+
+    def forget_stages(self) -> dict[str, nn.Module]:
+        """NOTE [finer stages]: the two residual halves, ``attn`` then ``mlp``."""
+        return {"attn": _Half(self, "attn"), "mlp": _Half(self, "mlp")}
+
+
+class _Half(nn.Module):
+    """One residual half of a `_GPTBlock`, as a module of its own (for `forget_stages`).
+
+    It holds the block's layers of that half (shared, not copied), so its
+    parameters and ``repr`` are those of the half, and two blocks' halves
+    compare alike (NOTE [alike stages] in ``forget._planning``).
+    """
+
+    def __init__(self, block: _GPTBlock, part: str) -> None:
+        super().__init__()
+        self.part = part
+        if part == "attn":
+            self.ln1, self.attn = block.ln1, block.attn
+        else:
+            self.ln2, self.fc1, self.fc2 = block.ln2, block.fc1, block.fc2
+        self.drop = block.drop
+        self._run = block._attn_half if part == "attn" else block._mlp_half
+
+    def forward(self, h: Tensor) -> Tensor:
+        out: Tensor = self._run(h)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"part={self.part!r}"
 
 
 class TinyGPT(BlockModel):

@@ -6,7 +6,13 @@ import math
 
 from ._schedule import Item, Keep, Region
 
-__all__ = ["forget_each_items", "sqrt_segments", "store_all_items", "uniform_items"]
+__all__ = [
+    "forget_each_items",
+    "on_sub_stages",
+    "sqrt_segments",
+    "store_all_items",
+    "uniform_items",
+]
 
 
 def store_all_items(num_stages: int) -> tuple[Item, ...]:
@@ -59,3 +65,39 @@ def sqrt_segments(num_stages: int) -> int:
     ``O(sqrt(L))`` activations for one extra forward.
     """
     return max(1, min(num_stages, round(math.sqrt(num_stages))))
+
+
+def on_sub_stages(items: tuple[Item, ...], sizes: tuple[int, ...]) -> tuple[Item, ...]:
+    """Map a schedule over blocks onto a chain that splits block ``i`` into ``sizes[i]`` stages.
+
+    Block ``i``'s ``Keep`` becomes ``Keep``s of its stages, in order (an
+    option, if any, is carried to each); regions keep their nesting. So a
+    baseline written for the blocks (uniform segments, a region per block)
+    runs the same on the finer chain: the same regions, cut at the same
+    tensors.
+
+    Args:
+        items: a schedule's items over ``len(sizes)`` stages (one per block).
+        sizes: how many stages each block has in the finer chain, each >= 1.
+
+    Raises:
+        ValueError: a size below 1, or an item naming a block outside ``sizes``.
+    """
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"forget: every block has at least one stage, got sizes {sizes}")
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+
+    def mapped(item: Item) -> list[Item]:
+        if isinstance(item, Region):
+            return [Region(tuple(x for child in item.items for x in mapped(child)))]
+        if not 0 <= item.stage_index < len(sizes):
+            raise ValueError(
+                f"forget: the schedule names block {item.stage_index}, but there are "
+                f"{len(sizes)} blocks"
+            )
+        first, stop = starts[item.stage_index], starts[item.stage_index + 1]
+        return [Keep(j, option=item.option) for j in range(first, stop)]
+
+    return tuple(x for item in items for x in mapped(item))
