@@ -14,6 +14,10 @@ the rest, trading one extra forward of the block for its activations.
   :func:`torch.nn.functional.scaled_dot_product_attention` and dropout
   (randomness that a recomputation must replay exactly).
 
+The GPT and conv blocks also offer finer stages for `forget.plan` with
+``split=True`` (``forget_stages()``: a GPT block's two residual halves, a conv
+block's conv, BatchNorm and ReLU), so that a plan may cut inside a block.
+
 Build one by name and size with :func:`build_model`, or call a factory
 (:func:`residual_mlp`, :func:`small_cnn`, :func:`tiny_gpt`) with your own
 sizes. Construction is deterministic given ``seed`` and leaves the global RNG
