@@ -230,3 +230,20 @@ def test_split_plans_the_blocks_stages_against_uniform_segments_of_whole_blocks(
         assert row["measured_peak_bytes"] <= row["budget_bytes"]
         # Uniform segments are counted in whole blocks.
         assert row["uniform_segments"] in (None, 1, 2)
+
+
+def test_a_plan_measured_below_plain_has_no_ratio(monkeypatch):
+    from forget import plan as P
+    from forget._planning import Plan
+
+    chain = P.Chain(tuple(P.Stage(f"s{i}", 1.0, 0.8, 2.0, 100, 100, 400) for i in range(2)))
+    schedule = P.Schedule.from_items(chain, (P.Region((P.Keep(0),)), P.Keep(1)))
+    plan = Plan(schedule, chain, 1000, 900, 900, 2000, 500)
+    rows = [
+        _plan_cli.BudgetRow("75%", 1000, plan, 500, -0.01, 2, 950, 0.07, 0.5),
+        _plan_cli.BudgetRow("50%", 1000, plan, 500, 0.03, 2, 950, 0.3, 0.5),
+    ]
+    result = _plan_cli.ModelResult("m", 2000, 500, rows, planner=None)  # type: ignore[arg-type]
+    lines = _plan_cli.format_table([result]).splitlines()
+    assert "below plain" in lines[2] and "-0.14x" not in lines[2]
+    assert "0.10x" in lines[3]

@@ -199,7 +199,12 @@ def format_table(results: Sequence[ModelResult]) -> str:
                 continue
             ratio = ""
             if row.uniform_overhead is not None and row.uniform_overhead > 0:
-                ratio = f"{row.plan_overhead / row.uniform_overhead:.2f}x"
+                # A plan measured faster than plain has no meaningful ratio: noise.
+                ratio = (
+                    f"{row.plan_overhead / row.uniform_overhead:.2f}x"
+                    if row.plan_overhead >= 0
+                    else "below plain"
+                )
             rows.append(
                 (
                     first,
