@@ -52,8 +52,8 @@ count fills is met best by that uniform segmentation: every schedule over
 whole blocks that fits it does at least as much work. Cutting the blocks
 finer opens schedules that are not on whole blocks: a region may end inside
 a block, and a part of a block may be kept while the rest is forgotten (a
-GPT block's attention half, whose attention weights are large and cheap to
-recompute, beside its MLP half, which is the reverse). With ``split``, each
+GPT block's attention half, whose T x T tensors grow with the context, and
+its MLP half differ in bytes kept per second of re-run). With ``split``, each
 block that offers stages (a ``forget_stages()`` method returning name ->
 callable, run in turn; an ``nn.Sequential`` block's children) becomes that
 many stages. The stages meet at single tensors, as blocks do; block ``i``
@@ -952,8 +952,8 @@ def plan(
         split: plan on the stages the blocks offer (NOTE [finer stages]), so
             regions may start and end inside a block: a GPT block's two
             residual halves, a conv block's conv, BatchNorm and ReLU. The
-            baselines stay on whole blocks. Off by default: profiling then
-            takes as long per stage.
+            baselines stay on whole blocks. Off by default: profiling costs
+            the same per stage as per block, so a split chain takes longer.
 
     Returns:
         A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` runs it.
