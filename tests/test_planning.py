@@ -612,3 +612,27 @@ def test_sub_stages_come_from_forget_stages_or_a_sequentials_children():
         model(x).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch):
+    # NOTE [time of a region]: one pair's difference of differences scatters widely.
+    blocks = [nn.Linear(4, 4) for _ in range(10)]
+    inputs = [torch.randn(2, 4, requires_grad=True) for _ in blocks]
+    stages = [P.Stage(f"s{i}", 1.0, 0.001 * (i + 1), 2.0, 16, 16, 16) for i in range(10)]
+    timed = []
+
+    def fake(a, b, repeats):
+        a()  # the pair run as one region, on the pair's own input
+        timed.append(len(timed))
+        return [0.0, 0.004, 0.009, 0.0][len(timed) - 1]
+
+    monkeypatch.setattr(planning, "_alternating_median_difference", fake)
+    seen = []
+    monkeypatch.setattr(
+        planning, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
+    )
+    region_s = planning._region_overhead_s(blocks, inputs, stages, repeats=1)
+    # Pairs (0, 1), (2, 3), (6, 7), (8, 9): 5 disjoint pairs, 4 spread over them.
+    assert [next(i for i, x in enumerate(inputs) if x is h) for h in seen] == [0, 2, 6, 8]
+    estimates = [0.003 - 0.0, 0.007 - 0.004, 0.015 - 0.009, 0.019 - 0.0]
+    assert region_s == pytest.approx(sorted(estimates)[1] / 2 + sorted(estimates)[2] / 2)

@@ -82,8 +82,9 @@ forward itself, and a plan built on forward times alone forgets many small
 regions where fewer, longer ones are faster. So the profile measures what
 forgetting costs: per stage, a one-stage region's full step (forward and
 backward) minus the plain step's, timed alternately; and once per chain, how
-much less the first two blocks cost forgotten as one region than as two,
-which is the fixed cost per region (``Chain.region_overhead_s``; a region
+much less two neighbouring blocks cost forgotten as one region than as two,
+the median over up to four pairs spread over the chain, which is the fixed
+cost per region (``Chain.region_overhead_s``; a region
 around one tiny op stands in for a one-block chain). A stage's
 ``forward_nograd_s`` is its difference minus that fixed cost, so a one-stage
 region costs in the model what it measured.
@@ -121,6 +122,8 @@ LossFn = Callable[[Tensor], Tensor]
 
 # Bisection probes over the planner's budget (each one measured step at most).
 _MAX_PROBES = 10
+# Pairs of neighbouring blocks the fixed cost of a region is the median over.
+_REGION_PAIRS = 4
 # Chains up to this length also measure every uniform segmentation as a candidate.
 _MAX_UNIFORM_TRIALS = 16
 
@@ -357,43 +360,52 @@ def _alternating_median_difference(
 
 
 def _region_overhead_s(
-    blocks: Sequence[Block], h: Tensor, stages: Sequence[P.Stage], repeats: int
+    blocks: Sequence[Block], inputs: Sequence[Tensor], stages: Sequence[P.Stage], repeats: int
 ) -> float:
-    """The fixed cost of one region, measured on the first two blocks.
+    """The fixed cost of one region, the median over pairs of neighbouring blocks.
 
-    Forgetting blocks 0 and 1 as one region costs ``extra_01`` more than the
-    plain step; as two regions, ``extra_0 + extra_1`` (their stages'
-    ``forward_nograd_s`` as profiled). The difference is what the second
-    region's setup, hooks and recomputation cost beyond its ops. With one
-    block, a region around a single tiny op stands in.
+    Forgetting blocks ``i`` and ``i + 1`` as one region costs ``extra_pair``
+    more than the plain step; as two regions, ``extra_i + extra_i+1`` (their
+    stages' ``forward_nograd_s`` as profiled). The difference is what the
+    second region's setup, hooks and recomputation cost beyond its ops. One
+    pair's difference of differences scatters widely (0 to 4.4 ms on the
+    residual MLP, profile to profile), so up to `_REGION_PAIRS` disjoint pairs
+    spread over the chain are measured and the median taken. With one block,
+    a region around a single tiny op stands in.
     """
-    params = [p for b in blocks[:2] for p in getattr(b, "parameters", list)()]
-
-    def clear() -> None:
-        h.grad = None
-        for p in params:
-            p.grad = None
-
     if len(blocks) < 2:
-        x = torch.ones(1, device=h.device, requires_grad=True)
+        x = torch.ones(1, device=inputs[0].device, requires_grad=True)
         tiny = functools.partial(torch.mul, other=2.0)
         return _alternating_median_difference(
             _step_timer(lambda: run_region(tiny, (x,), {}), lambda: setattr(x, "grad", None)),
             _step_timer(lambda: tiny(x), lambda: setattr(x, "grad", None)),
             max(9, 3 * repeats),
         )
-    b0, b1 = blocks[0], blocks[1]
+    starts = list(range(0, len(blocks) - 1, 2))
+    if len(starts) > _REGION_PAIRS:
+        last = len(starts) - 1
+        starts = [starts[round(j * last / (_REGION_PAIRS - 1))] for j in range(_REGION_PAIRS)]
+    estimates = []
+    for i in starts:
+        b0, b1, h = blocks[i], blocks[i + 1], inputs[i]
+        params = [p for b in (b0, b1) for p in getattr(b, "parameters", list)()]
 
-    def pair(t: Tensor) -> Tensor:
-        out: Tensor = b1(b0(t))
-        return out
+        def clear(h: Tensor = h, params: list[Any] = params) -> None:
+            h.grad = None
+            for p in params:
+                p.grad = None
 
-    extra_pair = _alternating_median_difference(
-        _step_timer(lambda: run_region(pair, (h,), {}), clear),
-        _step_timer(lambda: pair(h), clear),
-        max(9, repeats),
-    )
-    return max(0.0, stages[0].forward_nograd_s + stages[1].forward_nograd_s - extra_pair)
+        def pair(t: Tensor, b0: Block = b0, b1: Block = b1) -> Tensor:
+            out: Tensor = b1(b0(t))
+            return out
+
+        extra_pair = _alternating_median_difference(
+            _step_timer(lambda: run_region(pair, (h,), {}), clear),  # noqa: B023
+            _step_timer(lambda: pair(h), clear),  # noqa: B023
+            max(9, repeats),
+        )
+        estimates.append(stages[i].forward_nograd_s + stages[i + 1].forward_nograd_s - extra_pair)
+    return max(0.0, statistics.median(estimates))
 
 
 def _policy_region(block: Block, policy: Policy) -> Block:
@@ -580,17 +592,18 @@ def _pooled(stages: list[P.Stage], signatures: list[tuple[Any, ...] | None]) -> 
 def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P.Chain:
     if not target.blocks:
         raise ValueError("forget: plan needs at least one block, got none")
-    h0 = h = target.chain_input()
+    h = target.chain_input()
     stages = []
     signatures = []
+    inputs = []
     for name, block in zip(target.names, target.blocks, strict=True):
-        before = h
+        inputs.append(h)
         stage, h = _profile_stage(name, block, h, policies, repeats)
         stages.append(stage)
-        signatures.append(_signature(block, before, stage))
+        signatures.append(_signature(block, inputs[-1], stage))
     stages = _pooled(stages, signatures)
     # NOTE [time of a region]: the fixed part, charged once per region.
-    region_s = _region_overhead_s(target.blocks, h0, stages, repeats)
+    region_s = _region_overhead_s(target.blocks, inputs, stages, repeats)
     stages = [
         dataclasses.replace(s, forward_nograd_s=max(0.0, s.forward_nograd_s - region_s))
         for s in stages
