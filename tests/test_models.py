@@ -201,7 +201,7 @@ def test_docstring_example_runs():
     assert result.failed == 0
 
 
-@pytest.mark.parametrize("name", ["tiny_gpt", "small_cnn"])
+@pytest.mark.parametrize("name", ["tiny_gpt", "small_cnn", "residual_mlp"])
 def test_forget_stages_run_in_turn_compute_the_block_bitwise(name):
     model = build_model(name, "tiny", seed=0)
     model.train()

@@ -163,18 +163,22 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     planner = _Planner(model, (torch.randn(256, 32),), repeats=1)
     rounds = []
 
-    def fake(target, runners, repeats):
+    def fake(target, runners, repeats):  # the selection round: k segments take k seconds
         rounds.append(sorted(map(str, runners)))
-        if "plain" not in runners:  # the selection round: segment count k takes k seconds
-            return {k: float(k) for k in runners}
-        return {"plain": 1.0, "plan": 1.25, "uniform": 1.5}
+        return {k: float(k) for k in runners}
+
+    def final(target, runners, repeats):  # NOTE [paired rounds]: beside plain
+        rounds.append(sorted(runners))
+        assert repeats == 2
+        return {"plan": 0.25, "uniform": 0.5}
 
     monkeypatch.setattr(_plan_cli, "time_side_by_side", fake)
+    monkeypatch.setattr(_plan_cli, "paired_overheads", final)
     # The plan: the least-memory schedule (a multi-level one, no uniform segmentation).
     monkeypatch.setattr(_Planner, "_fastest", lambda self, fitting: fitting[0])
     result = _plan_cli._plan_budgets("m", planner, ["90%"], "optimal", 1)
     (row,) = result.rows
-    assert rounds[-1] == ["plain", "plan", "uniform"]
+    assert rounds[-1] == ["plan", "uniform"]
     selection = [int(k) for k in rounds[-2]]
     assert row.uniform_segments == min(selection)
     assert row.plan_overhead == pytest.approx(0.25)
@@ -211,6 +215,9 @@ def test_budgets_are_planned_from_the_smallest_up(monkeypatch):
     monkeypatch.setattr(_Planner, "plan", spy)
     monkeypatch.setattr(
         _plan_cli, "time_side_by_side", lambda target, runners, repeats: dict.fromkeys(runners, 1.0)
+    )
+    monkeypatch.setattr(
+        _plan_cli, "paired_overheads", lambda target, runners, repeats: dict.fromkeys(runners, 0.0)
     )
     result = _plan_cli._plan_budgets("m", planner, ["90%", "min", "95%"], "optimal", 1)
     assert [row.label for row in result.rows] == ["90%", "min", "95%"]

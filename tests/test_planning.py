@@ -170,6 +170,23 @@ def test_the_measured_fastest_displaces_the_predicted_only_when_consistently_fas
     assert planning._displaces([0.5], [1.0]) and not planning._displaces([1.0], [1.0])
 
 
+def test_overheads_pair_each_round_with_its_own_plain_step(monkeypatch):
+    # NOTE [paired rounds]: a slow round of plain's is not counted as the runner's
+    # overhead. Medians alone would give 2.2 / 1.0 - 1 = +120 %; paired, +10 %.
+    seen = {}
+
+    def rounds(target, runners, repeats):
+        seen["repeats"] = repeats
+        plain = next(k for k, r in runners.items() if r is None)
+        return {k: [1.0, 1.0, 2.0] if k is plain else [1.1, 2.2, 2.2] for k in runners}
+
+    monkeypatch.setattr(planning, "time_rounds", rounds)
+    runner = lambda h: h  # noqa: E731
+    overheads = planning.paired_overheads(None, {"plan": runner}, 7)  # type: ignore[arg-type]
+    assert seen["repeats"] == 7 and list(overheads) == ["plan"]
+    assert overheads["plan"] == pytest.approx(0.1)
+
+
 def test_a_region_ending_the_chain_is_kept_when_that_fits(planned, monkeypatch):
     # NOTE [the last segment]: forgetting every stage (a baseline) ends in a region;
     # at the least budget it fits, its twin with the last stage kept is timed in its
@@ -514,7 +531,10 @@ def test_profile_charges_a_fixed_cost_per_region():
 # ------------------------------------------------------------ NOTE [finer stages]
 
 
-@pytest.mark.parametrize(("name", "parts"), [("tiny_gpt", ["attn", "mlp"]), ("small_cnn", None)])
+@pytest.mark.parametrize(
+    ("name", "parts"),
+    [("tiny_gpt", ["attn", "mlp"]), ("small_cnn", None), ("residual_mlp", ["residual", "norm"])],
+)
 def test_split_plans_inside_blocks_exactly_and_keeps_baselines_on_whole_blocks(name, parts):
     model, x, target = _model(name)
     planner = _Planner(model, (x, target), repeats=1, split=True)

@@ -23,7 +23,7 @@ import torch
 from . import plan as P
 from . import policies
 from ._errors import BudgetInfeasibleError
-from ._planning import Plan, _Items, _Planner, time_side_by_side
+from ._planning import Plan, _Items, _Planner, paired_overheads, time_side_by_side
 from .models import MODEL_NAMES, SIZES, BlockModel, build_model, model_settings
 from .policies import Policy
 
@@ -141,16 +141,16 @@ def _plan_budgets(
                 repeats,
             )
             best = min(others, key=lambda f: selection[f[0]])
-        runners: dict[str, Any] = {"plain": None, "plan": planner.runner(row.plan)}
+        runners: dict[str, Any] = {"plan": planner.runner(row.plan)}
         if best is not None and not same:
             runners["uniform"] = _Items(best[1].items, planner.target.blocks, {})
-        medians = time_side_by_side(planner.target, runners, repeats)
-        plain = medians["plain"]
-        row.plan_overhead = medians["plan"] / plain - 1
+        # NOTE [paired rounds], over twice the rounds a selection takes.
+        overheads = paired_overheads(planner.target, runners, 2 * repeats)
+        row.plan_overhead = overheads["plan"]
         if best is not None:
             k, _, peak = best
             row.uniform_segments, row.uniform_peak_bytes = k, peak
-            row.uniform_overhead = medians.get("uniform", medians["plan"]) / plain - 1
+            row.uniform_overhead = overheads.get("uniform", overheads["plan"])
             # NOTE [predicted ratio]
             uniform_extra_s = best[1].predicted_overhead_s
             if uniform_extra_s > 0:
@@ -471,8 +471,9 @@ def _parser() -> argparse.ArgumentParser:
         "--split",
         action="store_true",
         help=(
-            "plan on the stages the blocks offer (a GPT block's residual halves, a conv "
-            "block's conv, BN and ReLU); uniform segments stay on whole blocks"
+            "plan on the stages the blocks offer (an MLP block's residual sum and "
+            "LayerNorm, a GPT block's residual halves, a conv block's conv, BN and ReLU); "
+            "uniform segments stay on whole blocks"
         ),
     )
     p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (default 5)")

@@ -1033,6 +1033,27 @@ def time_side_by_side(
     return {key: statistics.median(ts) for key, ts in time_rounds(target, runners, repeats).items()}
 
 
+def paired_overheads(
+    target: _Target, runners: Mapping[Any, Block], repeats: int
+) -> dict[Any, float]:
+    """Step-time overhead of each runner over the plain step, from paired rounds.
+
+    NOTE [paired rounds]: the plain step is timed in every round beside the
+    runners (`time_rounds`), and a runner's overhead is the median over rounds
+    of its time over plain's *in the same round*, minus one. A ratio of two
+    medians would let a slow stretch of the machine that fell on plain's
+    steps in some rounds and on a runner's in others count as overhead;
+    paired, what a round shares divides out.
+    """
+    plain = object()
+    rounds = time_rounds(target, {plain: None, **runners}, repeats)
+    base = rounds.pop(plain)
+    return {
+        key: statistics.median(t / b for t, b in zip(ts, base, strict=True)) - 1
+        for key, ts in rounds.items()
+    }
+
+
 def _displaces(rounds: Sequence[float], reference: Sequence[float]) -> bool:
     """NOTE [consistently faster]: faster than ``reference`` in two thirds of the rounds or more."""
     wins = sum(a < b for a, b in zip(rounds, reference, strict=True))

@@ -14,9 +14,10 @@ the rest, trading one extra forward of the block for its activations.
   :func:`torch.nn.functional.scaled_dot_product_attention` and dropout
   (randomness that a recomputation must replay exactly).
 
-The GPT and conv blocks also offer finer stages for `forget.plan` with
-``split=True`` (``forget_stages()``: a GPT block's two residual halves, a conv
-block's conv, BatchNorm and ReLU), so that a plan may cut inside a block.
+Every block also offers finer stages for `forget.plan` with ``split=True``
+(``forget_stages()``: an MLP block's residual sum and its LayerNorm, a GPT
+block's two residual halves, a conv block's conv, BatchNorm and ReLU), so
+that a plan may cut inside a block.
 
 Build one by name and size with :func:`build_model`, or call a factory
 (:func:`residual_mlp`, :func:`small_cnn`, :func:`tiny_gpt`) with your own
@@ -151,7 +152,28 @@ class _MLPBlock(nn.Module):
         self.norm = nn.LayerNorm(width)
 
     def forward(self, h: Tensor) -> Tensor:
-        return self.norm(h + self.fc2(F.gelu(self.fc1(h))))
+        return self.norm(self._residual(h))
+
+    def _residual(self, h: Tensor) -> Tensor:
+        out: Tensor = h + self.fc2(F.gelu(self.fc1(h)))
+        return out
+
+    def forget_stages(self) -> dict[str, nn.Module]:
+        """NOTE [finer stages]: the residual sum, then ``norm``: they meet at one tensor."""
+        return {"residual": _Residual(self), "norm": self.norm}
+
+
+class _Residual(nn.Module):
+    """``h -> h + fc2(GELU(fc1(h)))`` of an `_MLPBlock` (its layers shared, not copied)."""
+
+    def __init__(self, block: _MLPBlock) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = block.fc1, block.fc2
+        self._run = block._residual
+
+    def forward(self, h: Tensor) -> Tensor:
+        out: Tensor = self._run(h)
+        return out
 
 
 class ResidualMLP(BlockModel):
