@@ -170,6 +170,29 @@ def test_the_measured_fastest_displaces_the_predicted_only_when_consistently_fas
     assert planning._displaces([0.5], [1.0]) and not planning._displaces([1.0], [1.0])
 
 
+def test_a_challenger_must_win_fresh_rounds_too(monkeypatch):
+    # NOTE [confirmed on fresh rounds]: the challenger (index 1) wins every round of
+    # the selection; timed again beside the predicted fastest alone, it loses, and
+    # the predicted fastest stays the plan.
+    model, x, target = _model("residual_mlp")
+    planner = _Planner(model, (x, target), repeats=3)
+    calls: list[list] = []
+    seen: dict = {}
+
+    def stand_in(target, runners, repeats):
+        calls.append(sorted(runners))
+        seen.update({k: r.items for k, r in runners.items()})
+        rounds = {k: [2.0] * 3 for k in runners}
+        rounds[0] = [1.0] * 3
+        rounds[1] = [0.5] * 3 if len(calls) % 2 else [1.5] * 3
+        return rounds
+
+    monkeypatch.setattr(planning, "time_rounds", stand_in)
+    plan = planner.plan(0.75)
+    assert len(calls) == 2 and calls[1] == [0, 1] and len(calls[0]) > 2
+    assert plan.schedule.items == seen[0] != seen[1]
+
+
 def test_overheads_pair_each_round_with_its_own_plain_step(monkeypatch):
     # NOTE [paired rounds]: a slow round of plain's is not counted as the runner's
     # overhead. Medians alone would give 2.2 / 1.0 - 1 = +120 %; paired, +10 %.
