@@ -170,7 +170,7 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     def final(target, runners, repeats):  # NOTE [paired rounds]: beside plain
         rounds.append(sorted(runners))
         assert repeats == 2
-        return {"plan": 0.25, "uniform": 0.5}
+        return {"plan": [0.25, 0.2, 0.3], "uniform": [0.5, 0.5, 0.5]}
 
     monkeypatch.setattr(_plan_cli, "time_side_by_side", fake)
     monkeypatch.setattr(_plan_cli, "paired_overheads", final)
@@ -183,6 +183,8 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     assert row.uniform_segments == min(selection)
     assert row.plan_overhead == pytest.approx(0.25)
     assert row.uniform_overhead == pytest.approx(0.5)
+    # NOTE [ratio range]: resampled medians of 0.2, 0.25, 0.3 over 0.5.
+    assert row.ratio_range == pytest.approx((0.4, 0.6))
     # NOTE [predicted ratio]: the same two schedules in the planner's time model.
     from forget import plan as P
 
@@ -217,7 +219,7 @@ def test_budgets_are_planned_from_the_smallest_up(monkeypatch):
         _plan_cli, "time_side_by_side", lambda target, runners, repeats: dict.fromkeys(runners, 1.0)
     )
     monkeypatch.setattr(
-        _plan_cli, "paired_overheads", lambda target, runners, repeats: dict.fromkeys(runners, 0.0)
+        _plan_cli, "paired_overheads", lambda target, runners, repeats: {k: [0.0] for k in runners}
     )
     result = _plan_cli._plan_budgets("m", planner, ["90%", "min", "95%"], "optimal", 1)
     assert [row.label for row in result.rows] == ["90%", "min", "95%"]
@@ -237,6 +239,17 @@ def test_split_plans_the_blocks_stages_against_uniform_segments_of_whole_blocks(
         assert row["measured_peak_bytes"] <= row["budget_bytes"]
         # Uniform segments are counted in whole blocks.
         assert row["uniform_segments"] in (None, 1, 2)
+
+
+def test_ratio_range_resamples_paired_rounds():
+    # NOTE [ratio range]: equal rounds give a point; spread rounds a range around
+    # the medians' ratio; a uniform overhead at or below zero gives none.
+    assert _plan_cli.ratio_range([0.1] * 4, [0.2] * 4) == pytest.approx((0.5, 0.5))
+    lo, hi = _plan_cli.ratio_range([0.1, 0.2, 0.3, 0.1, 0.2], [0.2, 0.2, 0.3, 0.3, 0.2])
+    assert 0 < lo < hi and lo <= 0.2 / 0.2 <= hi
+    assert _plan_cli.ratio_range([0.1, 0.2], [-0.1, -0.2]) is None
+    with pytest.raises(ValueError, match="same, non-zero number of rounds"):
+        _plan_cli.ratio_range([0.1], [0.1, 0.2])
 
 
 def test_a_plan_measured_below_plain_has_no_ratio(monkeypatch):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import random
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +49,9 @@ class BudgetRow:
     #: NOTE [predicted ratio]: the plan's and the uniform's predicted extra time, in
     #: the planner's own model, free of the timing noise of the measured ratio.
     predicted_ratio: float | None = None
+    #: NOTE [ratio range]: the 5th and 95th percentiles of plan/uniform over
+    #: resampled rounds; how far one run's measured ratio can be trusted.
+    ratio_range: tuple[float, float] | None = None
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"budget": self.label, "budget_bytes": self.budget_bytes}
@@ -64,6 +69,7 @@ class BudgetRow:
             uniform_peak_bytes=self.uniform_peak_bytes,
             uniform_overhead=self.uniform_overhead,
             predicted_ratio=self.predicted_ratio,
+            ratio_range=None if self.ratio_range is None else list(self.ratio_range),
         )
         return out
 
@@ -146,11 +152,13 @@ def _plan_budgets(
             runners["uniform"] = _Items(best[1].items, planner.target.blocks, {})
         # NOTE [paired rounds], over twice the rounds a selection takes.
         overheads = paired_overheads(planner.target, runners, 2 * repeats)
-        row.plan_overhead = overheads["plan"]
+        row.plan_overhead = statistics.median(overheads["plan"])
         if best is not None:
             k, _, peak = best
             row.uniform_segments, row.uniform_peak_bytes = k, peak
-            row.uniform_overhead = overheads.get("uniform", overheads["plan"])
+            uniform = overheads.get("uniform", overheads["plan"])
+            row.uniform_overhead = statistics.median(uniform)
+            row.ratio_range = ratio_range(overheads["plan"], uniform)
             # NOTE [predicted ratio]
             uniform_extra_s = best[1].predicted_overhead_s
             if uniform_extra_s > 0:
@@ -158,6 +166,33 @@ def _plan_budgets(
         rows.append(row)
     rows.sort(key=lambda row: list(labels).index(row.label))
     return ModelResult(name, planner.plain_peak, min_feasible, rows, planner)
+
+
+def ratio_range(
+    plan: Sequence[float], uniform: Sequence[float], draws: int = 2000
+) -> tuple[float, float] | None:
+    """The 5th and 95th percentiles of median(plan) / median(uniform) over resampled rounds.
+
+    NOTE [ratio range]: ``plan`` and ``uniform`` are per-round overheads of the
+    same rounds (NOTE [paired rounds]); the rounds are drawn with replacement,
+    as pairs, ``draws`` times (seeded, so a table repeats given its timings).
+    A draw whose uniform median is not above zero has no ratio and is left
+    out; with fewer than half the draws left, there is no range.
+    """
+    if len(plan) != len(uniform) or not plan:
+        raise ValueError("forget: plan and uniform need the same, non-zero number of rounds")
+    rng = random.Random(0)
+    n = len(plan)
+    ratios = []
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        below = statistics.median(uniform[i] for i in picks)
+        if below > 0:
+            ratios.append(statistics.median(plan[i] for i in picks) / below)
+    if 2 * len(ratios) < draws:
+        return None
+    cuts = statistics.quantiles(ratios, n=20, method="inclusive")
+    return cuts[0], cuts[-1]
 
 
 # ------------------------------------------------------------------ output
@@ -169,6 +204,10 @@ def _mib(n: int) -> str:
 
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:+.1f}%"
+
+
+def _range_text(row: BudgetRow) -> str:
+    return "" if row.ratio_range is None else "{:.2f}-{:.2f}".format(*row.ratio_range)
 
 
 def format_table(results: Sequence[ModelResult]) -> str:
@@ -184,6 +223,7 @@ def format_table(results: Sequence[ModelResult]) -> str:
         "uniform peak MiB",
         "uniform overhead",
         "plan/uniform",
+        "90% range",
         "predicted",
         "schedule",
     )
@@ -194,7 +234,7 @@ def format_table(results: Sequence[ModelResult]) -> str:
             if row.plan is None:
                 rows.append(
                     (first, row.label, _mib(row.budget_bytes), "infeasible", "", "", "", "", "", "",
-                     "", f"min feasible {row.min_feasible_bytes:,} B")
+                     "", "", f"min feasible {row.min_feasible_bytes:,} B")
                 )  # fmt: skip
                 continue
             ratio = ""
@@ -217,6 +257,7 @@ def format_table(results: Sequence[ModelResult]) -> str:
                     "" if row.uniform_peak_bytes is None else _mib(row.uniform_peak_bytes),
                     _pct(row.uniform_overhead) or "none fits",
                     ratio,
+                    _range_text(row) if ratio.endswith("x") else "",
                     "" if row.predicted_ratio is None else f"{row.predicted_ratio:.2f}x",
                     _items_text(row.plan.schedule),
                 )
@@ -224,7 +265,7 @@ def format_table(results: Sequence[ModelResult]) -> str:
     widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
-        left = {0, 1, 11}
+        left = {0, 1, 12}
         return "  ".join(
             f"{c:<{w}}" if i in left else f"{c:>{w}}"
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))

@@ -1035,23 +1035,22 @@ def time_side_by_side(
 
 def paired_overheads(
     target: _Target, runners: Mapping[Any, Block], repeats: int
-) -> dict[Any, float]:
-    """Step-time overhead of each runner over the plain step, from paired rounds.
+) -> dict[Any, list[float]]:
+    """Step-time overhead of each runner over the plain step, round by round.
 
     NOTE [paired rounds]: the plain step is timed in every round beside the
-    runners (`time_rounds`), and a runner's overhead is the median over rounds
-    of its time over plain's *in the same round*, minus one. A ratio of two
-    medians would let a slow stretch of the machine that fell on plain's
-    steps in some rounds and on a runner's in others count as overhead;
-    paired, what a round shares divides out.
+    runners (`time_rounds`), and a runner's overhead in a round is its time
+    over plain's *in the same round*, minus one; the median of those is the
+    runner's overhead. A ratio of two medians would let a slow stretch of the
+    machine that fell on plain's steps in some rounds and on a runner's in
+    others count as overhead; paired, what a round shares divides out. The
+    rounds stay paired across runners too, for a ratio's spread (`forget
+    plan`'s 90 % range).
     """
     plain = object()
     rounds = time_rounds(target, {plain: None, **runners}, repeats)
     base = rounds.pop(plain)
-    return {
-        key: statistics.median(t / b for t, b in zip(ts, base, strict=True)) - 1
-        for key, ts in rounds.items()
-    }
+    return {key: [t / b - 1 for t, b in zip(ts, base, strict=True)] for key, ts in rounds.items()}
 
 
 def _displaces(rounds: Sequence[float], reference: Sequence[float]) -> bool:
