@@ -676,8 +676,10 @@ def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch)
     monkeypatch.setattr(
         planning, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
     )
-    region_s = planning._region_overhead_s(blocks, inputs, stages, repeats=1)
+    held = {i: inputs[i] for i in planning._pair_starts(len(blocks))}  # as _profile holds them
+    region_s = planning._region_overhead_s(blocks, held, stages, repeats=1)
     # Pairs (0, 1), (2, 3), (6, 7), (8, 9): 5 disjoint pairs, 4 spread over them.
+    assert sorted(held) == [0, 2, 6, 8]
     assert [next(i for i, x in enumerate(inputs) if x is h) for h in seen] == [0, 2, 6, 8]
     estimates = [0.003 - 0.0, 0.007 - 0.004, 0.015 - 0.009, 0.019 - 0.0]
     assert region_s == pytest.approx(sorted(estimates)[1] / 2 + sorted(estimates)[2] / 2)

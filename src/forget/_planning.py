@@ -359,8 +359,17 @@ def _alternating_median_difference(
     return max(0.0, statistics.median(a() - b() for _ in range(max(3, repeats))))
 
 
+def _pair_starts(n: int) -> list[int]:
+    """The first blocks of the disjoint neighbouring pairs `_region_overhead_s` times."""
+    starts = list(range(0, n - 1, 2))
+    if len(starts) > _REGION_PAIRS:
+        last = len(starts) - 1
+        starts = [starts[round(j * last / (_REGION_PAIRS - 1))] for j in range(_REGION_PAIRS)]
+    return starts
+
+
 def _region_overhead_s(
-    blocks: Sequence[Block], inputs: Sequence[Tensor], stages: Sequence[P.Stage], repeats: int
+    blocks: Sequence[Block], inputs: Mapping[int, Tensor], stages: Sequence[P.Stage], repeats: int
 ) -> float:
     """The fixed cost of one region, the median over pairs of neighbouring blocks.
 
@@ -370,8 +379,9 @@ def _region_overhead_s(
     second region's setup, hooks and recomputation cost beyond its ops. One
     pair's difference of differences scatters widely (0 to 4.4 ms on the
     residual MLP, profile to profile), so up to `_REGION_PAIRS` disjoint pairs
-    spread over the chain are measured and the median taken. With one block,
-    a region around a single tiny op stands in.
+    spread over the chain are measured and the median taken (``inputs`` holds
+    the input of block 0 and of each pair's first block). With one block, a
+    region around a single tiny op stands in.
     """
     if len(blocks) < 2:
         x = torch.ones(1, device=inputs[0].device, requires_grad=True)
@@ -381,12 +391,8 @@ def _region_overhead_s(
             _step_timer(lambda: tiny(x), lambda: setattr(x, "grad", None)),
             max(9, 3 * repeats),
         )
-    starts = list(range(0, len(blocks) - 1, 2))
-    if len(starts) > _REGION_PAIRS:
-        last = len(starts) - 1
-        starts = [starts[round(j * last / (_REGION_PAIRS - 1))] for j in range(_REGION_PAIRS)]
     estimates = []
-    for i in starts:
+    for i in _pair_starts(len(blocks)):
         b0, b1, h = blocks[i], blocks[i + 1], inputs[i]
         params = [p for b in (b0, b1) for p in getattr(b, "parameters", list)()]
 
@@ -595,12 +601,16 @@ def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P
     h = target.chain_input()
     stages = []
     signatures = []
-    inputs = []
-    for name, block in zip(target.names, target.blocks, strict=True):
-        inputs.append(h)
-        stage, h = _profile_stage(name, block, h, policies, repeats)
+    # Only the inputs the fixed cost of a region is timed on are held.
+    wanted = {0, *_pair_starts(len(target.blocks))}
+    inputs: dict[int, Tensor] = {}
+    for i, (name, block) in enumerate(zip(target.names, target.blocks, strict=True)):
+        if i in wanted:
+            inputs[i] = h
+        stage, out = _profile_stage(name, block, h, policies, repeats)
         stages.append(stage)
-        signatures.append(_signature(block, inputs[-1], stage))
+        signatures.append(_signature(block, h, stage))
+        h = out
     stages = _pooled(stages, signatures)
     # NOTE [time of a region]: the fixed part, charged once per region.
     region_s = _region_overhead_s(target.blocks, inputs, stages, repeats)
