@@ -12,7 +12,7 @@ from forget.cli import main as cli_main
 
 HEADER = (
     "model         budget  budget MiB  peak MiB  peak/budget  plan overhead  uniform  "
-    "uniform peak MiB  uniform overhead  plan/uniform  predicted  schedule"
+    "uniform peak MiB  uniform overhead  plan/uniform  90% range  predicted  schedule"
 )
 
 
