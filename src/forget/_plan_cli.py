@@ -593,6 +593,7 @@ def main(argv: Sequence[str]) -> int:
             "peak: exact storage bytes of one training step (forget.measure), always <= "
             "budget; overheads: measured step time vs plain, side by side; uniform: the "
             "fastest checkpoint_sequential-style segmentation whose peak fits the budget; "
+            "90% range: plan/uniform over the timing rounds resampled in pairs; "
             "predicted: plan/uniform in the planner's time model, from the profile."
         )
     if args.json is not None:
