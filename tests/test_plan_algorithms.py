@@ -40,8 +40,15 @@ from forget.plan._schedule import Item
 PROFILE = settings(derandomize=True, deadline=None, max_examples=40)
 
 
-def random_chain(rng: random.Random, n: int, *, options: bool = False, scale: int = 1) -> Chain:
-    """Return a chain with small random integer figures (times and sizes)."""
+def random_chain(
+    rng: random.Random, n: int, *, options: bool = False, scale: int = 1, grads: bool = False
+) -> Chain:
+    """Return a chain with small random integer figures (times and sizes).
+
+    With ``grads``, stages have parameter gradients too (NOTE [parameter
+    gradients]), drawn after everything else so the other figures stay as
+    they were without.
+    """
     a = [rng.randint(0, 6) * scale for _ in range(n + 1)]
     stages = []
     for i in range(n):
@@ -69,6 +76,11 @@ def random_chain(rng: random.Random, n: int, *, options: bool = False, scale: in
                 opts,
             )
         )
+    if grads:
+        stages = [
+            dataclasses.replace(stage, param_grad_bytes=rng.randint(0, 4) * scale)
+            for stage in stages
+        ]
     return Chain(tuple(stages))
 
 
@@ -106,18 +118,21 @@ def brute_force(chain: Chain) -> list[tuple[int, float, tuple]]:
 
 
 BRUTE_CASES = [
-    (seed, n, seed % 2 == 0, 2.5 * (seed % 3 == 1))
+    (seed, n, seed % 2 == 0, 2.5 * (seed % 3 == 1), grads)
+    for grads in (False, True)
     for seed, n in enumerate([1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5])
 ]
 
 
 @pytest.mark.parametrize(
-    ("seed", "n", "options", "region_s"),
+    ("seed", "n", "options", "region_s", "grads"),
     BRUTE_CASES,
-    ids=[f"seed{s}-L{n}-opt{o}-region{c}" for s, n, o, c in BRUTE_CASES],
+    ids=[f"seed{s}-L{n}-opt{o}-region{c}-grads{g}" for s, n, o, c, g in BRUTE_CASES],
 )
-def test_optimal_equals_brute_force(seed: int, n: int, options: bool, region_s: float) -> None:
-    chain = random_chain(random.Random(seed), n, options=options)
+def test_optimal_equals_brute_force(
+    seed: int, n: int, options: bool, region_s: float, grads: bool
+) -> None:
+    chain = random_chain(random.Random(seed), n, options=options, grads=grads)
     chain = dataclasses.replace(chain, region_overhead_s=region_s)
     results = brute_force(chain)
     for peak, time_s, items in results:
@@ -142,6 +157,30 @@ def test_optimal_equals_brute_force(seed: int, n: int, options: bool, region_s: 
         solve(chain, lowest - 1, unit_bytes=1)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_dp_rebuilds_schedules_that_fit_with_parameter_gradients(seed: int) -> None:
+    # NOTE [parameter gradients]: a region re-run after the backward of the stages
+    # behind it has their gradients' less memory; the DP's own schedule (before
+    # `solve` falls back to the least-memory one) must fit, at its predicted time.
+    from forget.plan._dp import optimal_items
+
+    rng = random.Random(seed)
+    fitted = 0
+    for _ in range(60):
+        chain = random_chain(rng, rng.randint(3, 7), grads=True)
+        lowest = min_feasible_bytes(chain)
+        top = solve(chain, 10**9, unit_bytes=1).predicted_peak_bytes
+        for budget in range(lowest, top + 1):
+            items = optimal_items(chain, budget, 1)
+            if items is None:
+                continue
+            fitted += 1
+            peak, time_s = evaluate(chain, items)
+            assert peak <= budget, (chain, budget, items)
+            assert time_s == pytest.approx(solve(chain, budget, unit_bytes=1).predicted_time_s)
+    assert fitted > 100
+
+
 def test_brute_force_counts_every_tree() -> None:
     # 1 stage: Keep, Region(Keep). 2 stages: {Keep, Region(Keep)} x {Keep, Region(Keep)},
     # plus a region over both holding any of those 4 sequences: 8.
@@ -152,7 +191,7 @@ def test_brute_force_counts_every_tree() -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_coarse_units_fit_and_match_simulator(seed: int) -> None:
-    chain = random_chain(random.Random(100 + seed), 12, options=True, scale=1000)
+    chain = random_chain(random.Random(100 + seed), 12, options=True, scale=1000, grads=True)
     lowest = min_feasible_bytes(chain)
     top = solve(chain, 10**12).predicted_peak_bytes
     for budget in (lowest, (lowest + top) // 2, top - 1):
@@ -167,7 +206,8 @@ def test_coarse_units_fit_and_match_simulator(seed: int) -> None:
 @st.composite
 def chains(draw: st.DrawFn) -> Chain:
     n = draw(st.integers(1, 8))
-    return random_chain(random.Random(draw(st.integers(0, 10**6))), n, options=draw(st.booleans()))
+    rng = random.Random(draw(st.integers(0, 10**6)))
+    return random_chain(rng, n, options=draw(st.booleans()), grads=draw(st.booleans()))
 
 
 @PROFILE

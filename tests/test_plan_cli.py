@@ -174,8 +174,13 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
 
     monkeypatch.setattr(_plan_cli, "time_side_by_side", fake)
     monkeypatch.setattr(_plan_cli, "paired_overheads", final)
-    # The plan: the least-memory schedule (a multi-level one, no uniform segmentation).
-    monkeypatch.setattr(_Planner, "_fastest", lambda self, fitting: fitting[0])
+    # The plan: a fitting candidate that is no uniform segmentation.
+    uniforms = {planner.uniform(k).items for k in range(1, 7)}
+    monkeypatch.setattr(
+        _Planner,
+        "_fastest",
+        lambda self, fitting: next((f for f in fitting if f[0].items not in uniforms), fitting[0]),
+    )
     result = _plan_cli._plan_budgets("m", planner, ["90%"], "optimal", 1)
     (row,) = result.rows
     assert rounds[-1] == ["plan", "uniform"]

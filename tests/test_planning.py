@@ -683,3 +683,26 @@ def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch)
     assert [next(i for i, x in enumerate(inputs) if x is h) for h in seen] == [0, 2, 6, 8]
     estimates = [0.003 - 0.0, 0.007 - 0.004, 0.015 - 0.009, 0.019 - 0.0]
     assert region_s == pytest.approx(sorted(estimates)[1] / 2 + sorted(estimates)[2] / 2)
+
+
+def test_profile_counts_parameter_gradients_once_at_their_last_user():
+    # NOTE [parameter gradients]: a shared layer's gradient is written by the
+    # backward of the last block that uses it, in forward order; a frozen one
+    # has none.
+    shared, frozen = nn.Linear(8, 8), nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    net = nn.Sequential(shared, nn.Linear(8, 8), shared, frozen, nn.ReLU())
+    chain = forget.profile_chain(net, torch.randn(4, 8), repeats=1)
+    assert [s.name for s in chain.stages] == ["0", "1", "2", "3", "4"]
+    one = (8 * 8 + 8) * 4
+    assert [s.param_grad_bytes for s in chain.stages] == [0, one, one, 0, 0]
+    model, x, target = _model("tiny_gpt")
+    planner = _Planner(model, (x, target), repeats=1, split=True)
+    total = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    assert sum(s.param_grad_bytes for s in planner.chain.stages) == total
+    # Uniform segmentations: their measured peak is no further from the model's
+    # than the model's own rounding of the outside of the chain allows.
+    for k in range(2, len(model.blocks) + 1):
+        schedule = planner.uniform(k)
+        predicted = schedule.predicted_peak_bytes + planner.outside
+        assert abs(planner.trials.peak(schedule) - predicted) < total / len(model.blocks)

@@ -6,10 +6,11 @@ pure planners of `forget.plan`, and returns a `Plan` whose measured peak fits
 the budget.
 
 NOTE [measured, not predicted]: the planners' memory model covers the chain's
-activations, histories and gradients; a real step also holds what lies
-outside it: the stem and head of a model, the loss, parameter gradients
-(which grow as backward proceeds), allocator-visible temporaries the model
-does not know about. So `plan` never trusts a prediction. It applies every
+activations, histories, gradients and its blocks' parameter gradients (which
+grow as backward proceeds, NOTE [parameter gradients]); a real step also
+holds what lies outside it: the stem and head of a model and their
+parameter gradients, the loss, allocator-visible temporaries the model does
+not know about. So `plan` never trusts a prediction. It applies every
 candidate schedule and measures the training step with the exact ledger,
 which repeats to the byte on the same inputs. The smallest feasible budget is
 the measured peak of the least-memory schedule; above it, a bisection over
@@ -522,7 +523,8 @@ def _stage_names(target: _Target) -> list[str]:
         return [f"blocks.{i}" for i in range(len(target.blocks))]
     if target.kind == "sequential":
         assert target.model is not None
-        return [name for name, _ in target.model.named_children()]
+        # Keys, not named_children(): that one lists a module used twice only once.
+        return list(target.model._modules)
     return [
         f"{i}:{type(b).__name__ if isinstance(b, nn.Module) else getattr(b, '__name__', 'fn')}"
         for i, b in enumerate(target.blocks)
@@ -595,6 +597,27 @@ def _pooled(stages: list[P.Stage], signatures: list[tuple[Any, ...] | None]) -> 
     return out
 
 
+def _param_grad_bytes(blocks: Sequence[Block]) -> list[int]:
+    """Bytes of the parameter gradients each block's backward writes.
+
+    NOTE [parameter gradients] (in `forget.plan._schedule`): a step that starts
+    with ``.grad`` unset (as the planner's trials do) allocates a parameter's
+    gradient at the first backward that reaches it, which is that of the last
+    block, in forward order, that uses it (a shared or tied weight counts once,
+    there). Blocks that are not modules show no parameters and count 0.
+    """
+    owner: dict[int, tuple[int, int]] = {}
+    for i, block in enumerate(blocks):
+        if isinstance(block, nn.Module):
+            for p in block.parameters():
+                if p.requires_grad:
+                    owner[id(p)] = (i, p.numel() * p.element_size())
+    out = [0] * len(blocks)
+    for i, nbytes in owner.values():
+        out[i] += nbytes
+    return out
+
+
 def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P.Chain:
     if not target.blocks:
         raise ValueError("forget: plan needs at least one block, got none")
@@ -612,6 +635,10 @@ def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P
         signatures.append(_signature(block, h, stage))
         h = out
     stages = _pooled(stages, signatures)
+    grads = _param_grad_bytes(target.blocks)
+    stages = [
+        dataclasses.replace(s, param_grad_bytes=g) for s, g in zip(stages, grads, strict=True)
+    ]
     # NOTE [time of a region]: the fixed part, charged once per region.
     region_s = _region_overhead_s(target.blocks, inputs, stages, repeats)
     stages = [

@@ -14,6 +14,7 @@ _INT_FIELDS = (
     "saved_bytes",
     "forward_overhead_bytes",
     "backward_overhead_bytes",
+    "param_grad_bytes",
 )
 _TIME_FIELDS = ("forward_s", "forward_nograd_s", "backward_s")
 
@@ -113,6 +114,9 @@ class Stage:
         forward_overhead_bytes: temporary bytes during forward.
         backward_overhead_bytes: temporary bytes during backward.
         options: partial keeps the optimal planner may choose instead of a full keep.
+        param_grad_bytes: gradients of the stage's parameters, written by its
+            backward and alive to the end of the step (NOTE [parameter
+            gradients] in `forget.plan._schedule`); 0 by default.
     """
 
     name: str
@@ -125,6 +129,7 @@ class Stage:
     forward_overhead_bytes: int = 0
     backward_overhead_bytes: int = 0
     options: tuple[StageOption, ...] = ()
+    param_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -219,6 +224,14 @@ class Chain:
     def activation_bytes(self) -> tuple[int, ...]:
         """Sizes of ``x_0 .. x_L`` (the chain input, the stage outputs), in bytes."""
         return (self.stages[0].input_bytes, *(s.output_bytes for s in self.stages))
+
+    @property
+    def param_grad_prefix(self) -> tuple[int, ...]:
+        """``P[i]``: bytes of parameter gradients of stages ``0 .. i-1`` (``P[0] = 0``)."""
+        out = [0]
+        for stage in self.stages:
+            out.append(out[-1] + stage.param_grad_bytes)
+        return tuple(out)
 
     @property
     def store_all_time_s(self) -> float:

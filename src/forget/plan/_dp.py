@@ -108,8 +108,9 @@ def store_all_peak_bytes(chain: Chain) -> int:
     peak = max(peak, held)
     for i in reversed(range(n)):
         stage = chain.stages[i]
-        peak = max(peak, held + a[i] + stage.backward_overhead_bytes)
-        held += a[i] - a[i + 1] - stage.saved_bytes - a[i + 1]
+        g = stage.param_grad_bytes  # NOTE [parameter gradients]
+        peak = max(peak, held + a[i] + g + stage.backward_overhead_bytes)
+        held += a[i] + g - a[i + 1] - stage.saved_bytes - a[i + 1]
     return peak
 
 
@@ -159,7 +160,11 @@ class _Tables:
 
         a = [up(x) for x in chain.activation_bytes]
         fo = [up(s.forward_overhead_bytes) for s in chain.stages]
+        # NOTE [parameter gradients]: each stage's rounded up; pg[t] - pg[s] for [s, t).
+        gs = [up(s.param_grad_bytes) for s in chain.stages]
+        pg = np.concatenate(([0], np.cumsum(gs, dtype=np.int64)))
         self.a = a
+        self.pg = pg
         self.variants = _variants(chain)
         rv = [
             [(up(v.saved_bytes), v.time_s, up(v.backward_overhead_bytes)) for v in row]
@@ -182,6 +187,13 @@ class _Tables:
                 out[..., d:] = rows[..., : size - d]
             return out
 
+        def shifted_rows(rows: _Floats, ds: _Ints) -> _Floats:
+            """Row ``j`` of ``rows`` shifted by ``ds[j]`` units (as `shifted`)."""
+            index = m_index[None, :] - ds[:, None]
+            out = np.take_along_axis(rows, np.maximum(index, 0), axis=1)
+            out[index < 0] = inf
+            return out
+
         for length in range(1, n + 1):
             for s in range(n - length + 1):
                 t = s + length
@@ -192,20 +204,22 @@ class _Tables:
                         cands.append(row)
                         continue
                     if length == 1:
-                        thr = a[s] + 2 * a[t] + h + max(fo[s], a[s] + bo)
+                        thr = a[s] + 2 * a[t] + h + max(fo[s], a[s] + bo + gs[s])
                         if thr < size:
                             row[thr:] = time_s
                     else:
                         thr = max(
                             a[s] + a[s + 1] + h + fo[s] + 2 * a[t],
-                            2 * a[s] + 2 * a[s + 1] + h + bo,
+                            2 * a[s] + 2 * a[s + 1] + h + bo + int(pg[t] - pg[s]),
                         )
                         row = shifted(p[s + 1, t], a[s] + h) + time_s
                         row[:thr] = inf
                     cands.append(row)
                 if length >= 2:
                     ks = np.arange(s + 1, t)
-                    cost = shifted(p[s + 1 : t, t], a[s]) + p[s, s + 1 : t]
+                    cost = shifted(p[s + 1 : t, t], a[s]) + shifted_rows(
+                        p[s, s + 1 : t], pg[t] - pg[ks]
+                    )
                     cost += (nograd[ks] - nograd[s] + chain.region_overhead_s)[:, None]
                     thr_k = g[s, s + 1 : t] + 2 * a[t]
                     cost[m_index[None, :] < thr_k[:, None]] = inf
@@ -223,16 +237,19 @@ class _Tables:
             for h, time_s, bo in rv[s]:
                 if s == n - 1:
                     row = np.full(size, inf)
-                    thr = a[s] + a[n] + h + max(fo[s], a[n] + a[s] + bo)
+                    thr = a[s] + a[n] + h + max(fo[s], a[n] + a[s] + bo + gs[s])
                     if thr < size:
                         row[thr:] = time_s
                 else:
-                    thr = max(a[s] + a[s + 1] + h + fo[s], 2 * a[s] + 2 * a[s + 1] + h + bo)
+                    thr = max(
+                        a[s] + a[s + 1] + h + fo[s],
+                        2 * a[s] + 2 * a[s + 1] + h + bo + int(pg[n] - pg[s]),
+                    )
                     row = shifted(q[s + 1], a[s] + h) + time_s
                     row[:thr] = inf
                 cands.append(row)
             ks = np.arange(s + 1, n + 1)
-            cost = shifted(q[s + 1 :], a[s]) + p[s, s + 1 :]
+            cost = shifted(q[s + 1 :], a[s]) + shifted_rows(p[s, s + 1 :], pg[n] - pg[ks])
             cost += (nograd[ks] - nograd[s] + chain.region_overhead_s)[:, None]
             cost[m_index[None, :] < g[s, s + 1 :][:, None]] = inf
             stack = np.vstack([np.stack(cands), cost])
@@ -253,6 +270,7 @@ class _Tables:
             [[v.option for v in row] for row in self.variants],
             lambda s, v: self.a[s] + self.rounded_saved[s][v],
             lambda s: self.a[s],
+            lambda k, end: int(self.pg[end] - self.pg[k]),
             m,
         )
 
@@ -265,6 +283,7 @@ def _rebuild(
     option_names: list[list[str | None]],
     keep_used: Callable[[int, int], int],
     region_used: Callable[[int], int],
+    grads_after: Callable[[int, int], int],
     m: int,
 ) -> tuple[Item, ...]:
     """Turn a DP's choices back into a tree (choice < variants: keep; else region end)."""
@@ -282,7 +301,8 @@ def _rebuild(
                 s += 1
             else:
                 k = s + 1 + code - n_variants[s]
-                out.append(Region(solve_range(s, k, m)))
+                # NOTE [parameter gradients]: the re-run comes after [k, end)'s backward.
+                out.append(Region(solve_range(s, k, m - grads_after(k, end))))
                 if k == end:
                     return tuple(out)
                 m -= region_used(s)
@@ -299,7 +319,7 @@ def _tables(chain: Chain, unit: int, m_max: int) -> _Tables:
 def optimal_items(chain: Chain, budget_bytes: int, unit: int) -> tuple[Item, ...] | None:
     """Return the fastest items whose rounded peak fits ``budget_bytes``, or None."""
     m = budget_bytes // unit
-    store_all_units = -(-store_all_peak_bytes(chain) // unit) + 2 * len(chain) + 2
+    store_all_units = -(-store_all_peak_bytes(chain) // unit) + 3 * len(chain) + 2
     m = min(m, store_all_units)
     return _tables(chain, unit, m).items(m)
 
@@ -310,7 +330,7 @@ def optimal_tables_items(
     """Return `optimal_items` for several budgets from one set of tables."""
     if not budgets_bytes:
         return []
-    store_all_units = -(-store_all_peak_bytes(chain) // unit) + 2 * len(chain) + 2
+    store_all_units = -(-store_all_peak_bytes(chain) // unit) + 3 * len(chain) + 2
     ms = [min(b // unit, store_all_units) for b in budgets_bytes]
     tables = _tables(chain, unit, max(ms))
     return [tables.items(m) for m in ms]
@@ -332,6 +352,8 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
     fo = [s.forward_overhead_bytes for s in chain.stages]
     variants = _variants(chain)
     g = np.array(_forward_peaks(a, fo), dtype=np.int64)
+    gs = [s.param_grad_bytes for s in chain.stages]  # NOTE [parameter gradients]
+    pg = np.array(chain.param_grad_prefix, dtype=np.int64)
     nograd = np.concatenate(
         ([0.0], np.cumsum([s.forward_nograd_s for s in chain.stages], dtype=np.float64))
     )
@@ -355,14 +377,14 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
                     times.append(math.inf)
                     continue
                 if length == 1:
-                    peaks.append(a[s] + 2 * a[t] + h + max(fo[s], a[s] + bo))
+                    peaks.append(a[s] + 2 * a[t] + h + max(fo[s], a[s] + bo + gs[s]))
                     times.append(v.time_s)
                 else:
                     peaks.append(
                         max(
                             a[s] + a[s + 1] + h + fo[s] + 2 * a[t],
                             a[s] + h + int(pm[s + 1, t]),
-                            2 * a[s] + 2 * a[s + 1] + h + bo,
+                            2 * a[s] + 2 * a[s + 1] + h + bo + int(pg[t] - pg[s]),
                         )
                     )
                     times.append(v.time_s + float(pt[s + 1, t]))
@@ -372,7 +394,7 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
                 ks = np.arange(s + 1, t)
                 rp = np.maximum(
                     np.maximum(g[s, s + 1 : t] + 2 * a[t], a[s] + pm[s + 1 : t, t]),
-                    pm[s, s + 1 : t],
+                    pm[s, s + 1 : t] + pg[t] - pg[ks],
                 )
                 rt = (
                     pt[s + 1 : t, t]
@@ -393,19 +415,21 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
         for v in variants[s]:
             h, bo = v.saved_bytes, v.backward_overhead_bytes
             if s == n - 1:
-                peaks.append(a[s] + a[n] + h + max(fo[s], a[n] + a[s] + bo))
+                peaks.append(a[s] + a[n] + h + max(fo[s], a[n] + a[s] + bo + gs[s]))
                 times.append(v.time_s)
             else:
                 peaks.append(
                     max(
                         a[s] + a[s + 1] + h + fo[s],
                         a[s] + h + int(qm[s + 1]),
-                        2 * a[s] + 2 * a[s + 1] + h + bo,
+                        2 * a[s] + 2 * a[s + 1] + h + bo + int(pg[n] - pg[s]),
                     )
                 )
                 times.append(v.time_s + float(qt[s + 1]))
         ks = np.arange(s + 1, n + 1)
-        rp = np.maximum(np.maximum(g[s, s + 1 :], a[s] + qm[s + 1 :]), pm[s, s + 1 :])
+        rp = np.maximum(
+            np.maximum(g[s, s + 1 :], a[s] + qm[s + 1 :]), pm[s, s + 1 :] + pg[n] - pg[ks]
+        )
         rt = qt[s + 1 :] + pt[s, s + 1 :] + nograd[ks] - nograd[s] + chain.region_overhead_s
         kp = np.concatenate([np.array(peaks, dtype=np.int64), rp])
         kt = np.concatenate([np.array(times), rt])
@@ -419,6 +443,7 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
         [[v.option for v in row] for row in variants],
         lambda s, v: 0,
         lambda s: 0,
+        lambda k, end: 0,
         0,
     )
     return int(qm[0]), items
