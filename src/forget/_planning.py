@@ -48,10 +48,12 @@ the same layout and whose byte figures are all equal are given the medians of
 their times (forward, forward without grad, backward, each option's re-run).
 Plain callables, which carry no such description, keep their own.
 
-NOTE [finer stages]: on a chain of equal blocks, a budget that some segment
-count fills is met best by that uniform segmentation: every schedule over
-whole blocks that fits it does at least as much work. Cutting the blocks
-finer opens schedules that are not on whole blocks: a region may end inside
+NOTE [finer stages]: in a memory model where equal blocks cost equal memory,
+a budget that some segment count fills is met best by that uniform
+segmentation: every schedule over whole blocks that fits it does at least as
+much work (parameter gradients break that equality, NOTE [parameter
+gradients] in `forget.plan._schedule`, but only by a little). Cutting the
+blocks finer opens schedules that are not on whole blocks: a region may end inside
 a block, and a part of a block may be kept while the rest is forgotten (a
 GPT block's attention half, whose T x T tensors grow with the context, and
 its MLP half differ in bytes kept per second of re-run). With ``split``, each
@@ -1149,6 +1151,20 @@ class _Planner:
         ]
         if len(self.block_sizes) <= _MAX_UNIFORM_TRIALS:
             self.baselines += [self.uniform(k) for k in range(2, len(self.block_sizes) + 1)]
+        # NOTE [parameter gradients] (in forget.plan._schedule): the least-memory
+        # schedule of the model without them is a candidate too; measured, it can
+        # peak lower (on the context-512 GPT: 151.7 MiB against 158.2 MiB).
+        flat = dataclasses.replace(
+            chain,
+            stages=tuple(dataclasses.replace(s, param_grad_bytes=0) for s in chain.stages),
+        )
+        if flat != chain:
+            items = P.solve(flat, P.min_feasible_bytes(flat)).items
+            self.baselines.append(
+                P.Schedule.from_items(
+                    chain, items, algorithm="least memory without parameter gradients"
+                )
+            )
 
     def runner(self, plan: Plan) -> Block:
         """Run ``plan`` on the planned chain's stages (as `Plan.runner` on the blocks)."""
