@@ -160,20 +160,8 @@ class _MLPBlock(nn.Module):
 
     def forget_stages(self) -> dict[str, nn.Module]:
         """NOTE [finer stages]: the residual sum, then ``norm``: they meet at one tensor."""
-        return {"residual": _Residual(self), "norm": self.norm}
-
-
-class _Residual(nn.Module):
-    """``h -> h + fc2(GELU(fc1(h)))`` of an `_MLPBlock` (its layers shared, not copied)."""
-
-    def __init__(self, block: _MLPBlock) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = block.fc1, block.fc2
-        self._run = block._residual
-
-    def forward(self, h: Tensor) -> Tensor:
-        out: Tensor = self._run(h)
-        return out
+        residual = _Part("residual", self._residual, fc1=self.fc1, fc2=self.fc2)
+        return {"residual": residual, "norm": self.norm}
 
 
 class ResidualMLP(BlockModel):
@@ -342,30 +330,31 @@ class _GPTBlock(nn.Module):
 
     def forget_stages(self) -> dict[str, nn.Module]:
         """NOTE [finer stages]: the two residual halves, ``attn`` then ``mlp``."""
-        return {"attn": _Half(self, "attn"), "mlp": _Half(self, "mlp")}
+        return {
+            "attn": _Part("attn", self._attn_half, ln1=self.ln1, attn=self.attn, drop=self.drop),
+            "mlp": _Part(
+                "mlp", self._mlp_half, ln2=self.ln2, fc1=self.fc1, fc2=self.fc2, drop=self.drop
+            ),
+        }
 
 
-class _Half(nn.Module):
-    """One residual half of a `_GPTBlock`, as a module of its own (for `forget_stages`).
+class _Part(nn.Module):
+    """One part of a block, as a module of its own (for ``forget_stages``).
 
-    It holds the block's layers of that half (shared, not copied), so its
-    parameters and ``repr`` are those of the half, and two blocks' halves
-    compare alike (NOTE [alike stages] in ``forget._planning``).
+    It runs the block's ``run`` on the block's ``layers`` of that part (shared,
+    not copied), so its parameters and ``repr`` are those of the part, and two
+    blocks' parts compare alike (NOTE [alike stages] in ``forget._planning``).
     """
 
-    def __init__(self, block: _GPTBlock, part: str) -> None:
+    def __init__(self, part: str, run: Callable[[Tensor], Tensor], **layers: nn.Module) -> None:
         super().__init__()
         self.part = part
-        if part == "attn":
-            self.ln1, self.attn = block.ln1, block.attn
-        else:
-            self.ln2, self.fc1, self.fc2 = block.ln2, block.fc1, block.fc2
-        self.drop = block.drop
-        self._run = block._attn_half if part == "attn" else block._mlp_half
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+        self._run = run
 
     def forward(self, h: Tensor) -> Tensor:
-        out: Tensor = self._run(h)
-        return out
+        return self._run(h)
 
     def extra_repr(self) -> str:
         return f"part={self.part!r}"

@@ -316,11 +316,19 @@ def _tables(chain: Chain, unit: int, m_max: int) -> _Tables:
     return _Tables(chain, unit, m_max)
 
 
+def _store_all_units(chain: Chain, unit: int) -> int:
+    """Units past which more memory buys nothing: the store-all peak, plus rounding slack.
+
+    Every buffer's size is rounded up to whole units, so the rounded store-all
+    peak exceeds the exact one by at most a unit per buffer: three per stage
+    (its activation, history and parameter gradients) and two more.
+    """
+    return -(-store_all_peak_bytes(chain) // unit) + 3 * len(chain) + 2
+
+
 def optimal_items(chain: Chain, budget_bytes: int, unit: int) -> tuple[Item, ...] | None:
     """Return the fastest items whose rounded peak fits ``budget_bytes``, or None."""
-    m = budget_bytes // unit
-    store_all_units = -(-store_all_peak_bytes(chain) // unit) + 3 * len(chain) + 2
-    m = min(m, store_all_units)
+    m = min(budget_bytes // unit, _store_all_units(chain, unit))
     return _tables(chain, unit, m).items(m)
 
 
@@ -330,8 +338,7 @@ def optimal_tables_items(
     """Return `optimal_items` for several budgets from one set of tables."""
     if not budgets_bytes:
         return []
-    store_all_units = -(-store_all_peak_bytes(chain) // unit) + 3 * len(chain) + 2
-    ms = [min(b // unit, store_all_units) for b in budgets_bytes]
+    ms = [min(b // unit, _store_all_units(chain, unit)) for b in budgets_bytes]
     tables = _tables(chain, unit, max(ms))
     return [tables.items(m) for m in ms]
 
