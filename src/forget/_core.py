@@ -20,12 +20,12 @@ inner region needs them.
 NOTE [plain re-run]: the dispatch mode of NOTE [state tracking] costs about 25
 us per op on 2 CPU cores (15 us of it torch's Python dispatch). A re-run needs
 it only to put back outside state, to leave running statistics alone, to replay
-a policy's kept outputs or to tell a nested region which tensors are the re-
-run's own. A region whose forward had no policy, wrote into nothing it did not
-make and started no region re-runs without it; the early stop then raises from
-the pack hook itself (the op whose inputs it packs does not run, as in torch's
-checkpoint), or, after an op that writes into an argument, at the next pack of
-a later op.
+a policy's kept outputs or to tell a nested region which tensors are the
+re-run's own. A region whose forward had no policy, wrote into nothing it did
+not make and started no region re-runs without it; the early stop then raises
+from the pack hook itself (the op whose inputs it packs does not run, as in
+torch's checkpoint), or, after an op that writes into an argument, at the next
+pack of a later op.
 
 NOTE [double backward]: when backward runs with ``create_graph=True`` the
 collected tensors keep their history from the recomputation (which ran on
