@@ -276,19 +276,18 @@ class _Tables:
         m - shift down to -2 max(a), and slices them (an add instead of an add, a
         comparison and a masked write); a single entry (`_choice`) computes its own.
         """
-        ks = np.arange(s + 1, last)
         if hi - lo == self.size:
             if self._penalties is None or self._penalties[0] != s:
-                every = np.arange(s + 1, self.n + 1)
-                j = np.arange(-self.shift_pad, self.size)
-                time_k = self.nograd[every] - self.nograd[s] + self.region_s
-                rows = np.where(j[None, :] < self.g[s, every][:, None], np.inf, time_k[:, None])
-                self._penalties = (s, rows)
+                every, j = np.arange(s + 1, self.n + 1), np.arange(-self.shift_pad, self.size)
+                self._penalties = (s, self._penalty_rows(s, every, j))
             start = self.shift_pad - shift + lo
             return self._penalties[1][: last - s - 1, start : start + hi - lo]
+        return self._penalty_rows(s, np.arange(s + 1, last), self.m_index[lo:hi] - shift)
+
+    def _penalty_rows(self, s: int, ks: _Ints, j: _Ints) -> _Floats:
+        """A row per k in ``ks``: inf where ``j < g[s, k]``, else the re-run time of ``[s, k)``."""
         time_k = self.nograd[ks] - self.nograd[s] + self.region_s
-        below = self.m_index[None, lo:hi] - shift < self.g[s, ks][:, None]
-        return np.where(below, np.inf, time_k[:, None])
+        return np.where(j[None, :] < self.g[s, ks][:, None], np.inf, time_k[:, None])
 
     def _best(self, s: int, t: int | None) -> _Floats:
         """The least time of ``[s, t)`` at every memory size."""
