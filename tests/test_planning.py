@@ -559,17 +559,24 @@ def test_profile_charges_a_fixed_cost_per_region():
 
 @pytest.mark.parametrize(
     ("name", "parts"),
-    [("tiny_gpt", ["attn", "mlp"]), ("small_cnn", None), ("residual_mlp", ["residual", "norm"])],
+    [
+        ("tiny_gpt", ["attn", "mlp"]),
+        # NOTE [dead cuts]: BatchNorm's output is read by no backward (ReLU saves its own).
+        ("small_cnn", ["conv", "bn+relu"]),
+        ("residual_mlp", ["residual", "norm"]),
+    ],
 )
 def test_split_plans_inside_blocks_exactly_and_keeps_baselines_on_whole_blocks(name, parts):
     model, x, target = _model(name)
     planner = _Planner(model, (x, target), repeats=1, split=True)
     blocks = len(model.blocks)
-    per_block = len(parts) if parts else 3  # conv, bn, relu
+    per_block = len(parts)
     assert planner.block_sizes == (per_block,) * blocks
+    joined = [p.count("+") + 1 for p in parts]
+    assert planner.target.stage_parts == (None if joined == [1, 1] else tuple(joined) * blocks)
     names = [s.name for s in planner.chain.stages]
     assert len(names) == per_block * blocks
-    assert names[:per_block] == [f"blocks.0.{p}" for p in parts or ["conv", "bn", "relu"]]
+    assert names[:per_block] == [f"blocks.0.{p}" for p in parts]
     # Every baseline cuts the chain only where blocks meet.
     cuts = set(range(0, per_block * blocks + 1, per_block))
 
@@ -649,7 +656,8 @@ def test_sub_stages_come_from_forget_stages_or_a_sequentials_children():
     net = _sequential()
     x = torch.randn(64, 32)
     plan = forget.plan(net, x, budget="60%", repeats=1, split=True)
-    assert [s.name for s in plan.chain.stages][:4] == ["0.0", "0.1", "0.2", "0.3"]
+    # GELU's output is read by no backward (dropout keeps its mask): NOTE [dead cuts].
+    assert [s.name for s in plan.chain.stages][:4] == ["0.0", "0.1+2", "0.3", "1.0"]
     ours = plan.apply(copy.deepcopy(net))
     grads = []
     for model in (net, ours):
@@ -658,6 +666,77 @@ def test_sub_stages_come_from_forget_stages_or_a_sequentials_children():
         model(x).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def _bn_blocks(n: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 32))
+            for _ in range(n)
+        ]
+    )
+
+
+def test_stages_meeting_at_a_cut_no_backward_reads_are_planned_as_one(tmp_path, monkeypatch):
+    # NOTE [dead cuts]: BatchNorm saves its input, ReLU its output: the tensor
+    # between them is freed in a plain step as soon as ReLU has run, but the
+    # memory model would keep it to the stage's backward.
+    net, x = _bn_blocks(), torch.randn(64, 32)
+    target = planning._target(net, (x,), None, split=True)
+    assert target.names[:3] == ["0.0", "0.1+2", "0.3"]
+    assert target.block_sizes == (3,) * 4 and target.stage_parts == (1, 2, 1) * 4
+    joined = target.blocks[1]
+    assert isinstance(joined, planning._Joined) and list(joined.layers) == [net[0][1], net[0][2]]
+    # Finding the cuts ran the blocks with grad and left no trace.
+    assert all(p.grad is None for p in net.parameters())
+    assert int(net[0][1].num_batches_tracked) == 0
+    # Joined, the store-all prediction is closer to the measured plain step by
+    # a BatchNorm output for each block but the last (whose backward comes first).
+    planner = _Planner(net, (x,), repeats=1, split=True)
+    over = planner.store_all.predicted_peak_bytes - planner.plain_peak
+    with monkeypatch.context() as m:
+        m.setattr(planning, "_dead_cuts", lambda target, offered: [[1] * len(o) for o in offered])
+        cut = _Planner(net, (x,), repeats=1, split=True)
+    assert cut.target.names[:3] == ["0.0", "0.1", "0.2"]
+    assert cut.plain_peak == planner.plain_peak
+    assert cut.store_all.predicted_peak_bytes - cut.plain_peak - over > 2 * (64 * 256 * 4)
+    assert over >= 0
+    plan = planner.plan(planner.plan(planner.plain_peak).min_feasible_bytes)
+    assert plan.stage_parts == (1, 2, 1) * 4
+    assert any(isinstance(item, P.Region) for item in plan.schedule.items)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = forget.Plan.load(path)
+    assert loaded == plan and json.loads(path.read_text())["stage_parts"] == [1, 2, 1] * 4
+    grads = []
+    buffers = []
+    for model in (net, loaded.apply(copy.deepcopy(net))):
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+        buffers.append([b.clone() for b in model.buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(*buffers, strict=True))
+    # A block that now gives other stages is refused; so are parts that do not fit.
+    with pytest.raises(ValueError, match="block 0 gives 3 stages, but the plan was made when it"):
+        plan.runner([nn.Sequential(*net[0][:3]), *net[1:]])
+    bad = json.loads(path.read_text())
+    bad["stage_parts"] = [1, 2]
+    with pytest.raises(ValueError, match="stage_parts"):
+        forget.Plan.from_dict(bad)
+
+
+def test_a_cut_some_backward_reads_is_kept():
+    # Linear saves its input, GELU its input: every cut is read, nothing is joined.
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    target = planning._target([block, block], (torch.randn(4, 8),), None, split=True)
+    assert target.stage_parts is None and target.block_sizes == (3, 3)
+    # An in-place ReLU writes into its input: its output, which it saves, is that cut.
+    block = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True))
+    target = planning._target([block], (torch.randn(4, 8),), None, split=True)
+    assert target.stage_parts is None
 
 
 def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch):
@@ -724,3 +803,15 @@ def test_the_least_memory_schedule_without_parameter_gradients_is_a_candidate():
     assert baseline.items == P.solve(flat, P.min_feasible_bytes(flat)).items
     least = planner.plan(planner.plain_peak).min_feasible_bytes
     assert least <= planner.trials.peak(baseline)
+
+
+def test_joined_plain_callables_are_not_pooled_as_alike():
+    # NOTE [alike stages]: a joined stage of plain callables carries no description.
+    double, relu = (lambda h: h * 2), torch.relu
+    joined = planning._Joined([double, relu])
+    assert not joined.described and list(joined.children()) == []
+    stage = P.Stage("s", 1.0, 1.0, 1.0, 16, 16, 0)
+    assert planning._signature(joined, torch.ones(4), stage) is None
+    described = planning._Joined([nn.BatchNorm1d(4), nn.ReLU()])
+    assert described.described and planning._signature(described, torch.ones(4), stage)
+    assert torch.equal(joined(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 4.0]))

@@ -284,9 +284,10 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
         planner = result.planner
         chain, base = planner.chain, planner.chain.store_all_time_s
         # Peaks are measured (exact, one step each): the memory model leaves out what
-        # lies outside the chain and can be megabytes off (small_cnn: its predicted
-        # points, shifted by the store-all difference, fell below zero). Overheads
-        # are the planner's predicted ones, free of timing noise.
+        # lies outside the chain and can be megabytes off (small_cnn split at its dead
+        # cuts, before NOTE [dead cuts]: its predicted points, shifted by the store-all
+        # difference, fell below zero). Overheads are the planner's predicted ones,
+        # free of timing noise.
         budgets = [p.budget_bytes for p in P.pareto(chain) if p.algorithm == "optimal"]
         dp = sorted(
             (planner.trials.peak(s), s.predicted_overhead_s)
@@ -520,8 +521,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=(
             "plan on the stages the blocks offer (an MLP block's residual sum and "
-            "LayerNorm, a GPT block's residual halves, a conv block's conv, BN and ReLU); "
-            "uniform segments stay on whole blocks"
+            "LayerNorm, a GPT block's residual halves, a conv block's conv, BN and ReLU, "
+            "joined where no backward reads the tensor between them); uniform segments "
+            "stay on whole blocks"
         ),
     )
     p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (default 5)")
