@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ._measure import saved as saved
     from ._planning import Plan as Plan
     from ._planning import profile_chain as profile_chain
+    from ._regen import regenerating as regenerating
     from ._state import in_recomputing as in_recomputing
     from .nn import Forget as Forget
     from .nn import ForgetSequential as ForgetSequential
@@ -51,6 +52,7 @@ _LAZY: dict[str, str] = {
     "Plan": "._planning",
     "profile_chain": "._planning",
     "apply_forget": "._apply",
+    "regenerating": "._regen",
 }
 
 # Public submodules, imported on first access; ``plan`` and ``policies`` import no torch.
@@ -76,6 +78,7 @@ __all__ = [
     "plan",
     "policies",
     "profile_chain",
+    "regenerating",
     "saved",
 ]
 

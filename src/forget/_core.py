@@ -183,6 +183,12 @@ class Region:
         recompute_context: Callable[[], Any] | None = None,
         policy: Policy | None = None,
     ) -> None:
+        if policy is not None and policy.regenerate:
+            raise TypeError(
+                f"forget: {policy} is not a region's policy: it keeps a stage and rebuilds "
+                "some outputs in backward; use it with forget.regenerating() or as a "
+                "forget.plan option."
+            )
         self.func = func
         self.policy = None if policy is None or policy.saves_nothing else policy
         self._tracker: StateTracker | None = None

@@ -454,7 +454,8 @@ def parse_option(text: str) -> tuple[str, Policy]:
     """``"sel=LINEAR+ATTENTION"`` -> ``("sel", save_outputs_of(*LINEAR, *ATTENTION))``.
 
     Each ``+``-joined part is a group of `forget.policies` (any case) or an aten
-    op name (``bmm``, ``aten.bmm``).
+    op name (``bmm``, ``aten.bmm``). ``NAME=REGENERATE`` keeps the stage and
+    rebuilds GELU / SiLU outputs in backward (`forget.policies.regenerate`).
     """
     name, sep, ops = text.partition("=")
     name, ops = name.strip(), ops.strip()
@@ -464,6 +465,8 @@ def parse_option(text: str) -> tuple[str, Policy]:
         )
     if name in ("kept", "forgotten"):
         raise ValueError(f"forget: --option name {name!r} is taken; choose another")
+    if ops.upper() == "REGENERATE":
+        return name, policies.regenerate()
     names: list[str] = []
     for part in ops.split("+"):
         part = part.strip()
@@ -513,7 +516,8 @@ def _parser() -> argparse.ArgumentParser:
         help=(
             "a partial keep the planner may choose per stage: keep the outputs of OPS, "
             f"+-joined groups ({', '.join(_GROUPS)}) or aten ops, e.g. "
-            "sel=LINEAR+CONV+ATTENTION+DROPOUT (repeatable)"
+            "sel=LINEAR+CONV+ATTENTION+DROPOUT; or NAME=REGENERATE: keep the stage and "
+            "rebuild its GELU/SiLU outputs in backward (repeatable)"
         ),
     )
     p.add_argument(

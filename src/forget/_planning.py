@@ -116,6 +116,7 @@ from . import plan as P
 from ._core import run_region
 from ._errors import BudgetInfeasibleError
 from ._measure import measure
+from ._regen import regenerating
 from .plan._baselines import forget_each_items, on_sub_stages, uniform_items
 from .policies import Policy, as_policy
 
@@ -518,10 +519,18 @@ def _region_overhead_s(
 
 def _policy_region(block: Block, policy: Policy) -> Block:
     def run(h: Tensor) -> Tensor:
-        out: Tensor = run_region(block, (h,), {}, policy=policy)
-        return out
+        return _run_option(block, h, policy)
 
     return run
+
+
+def _run_option(block: Block, h: Tensor, policy: Policy) -> Tensor:
+    """Run a stage under an option: a policy region, or kept with outputs regenerated."""
+    if policy.regenerate:
+        with regenerating(policy):  # NOTE [regenerate]
+            return block(h)
+    out: Tensor = run_region(block, (h,), {}, policy=policy)
+    return out
 
 
 def _profile_stage(
@@ -809,7 +818,7 @@ class _Items:
                 if item.option is None:
                     h = block(h)
                 else:
-                    h = run_region(block, (h,), {}, policy=self.policies[item.option])
+                    h = _run_option(block, h, self.policies[item.option])
             else:
                 h = run_region(_Items(item.items, self.blocks, self.policies), (h,), {})
         return h

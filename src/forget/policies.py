@@ -38,12 +38,14 @@ __all__ = [
     "DROPOUT",
     "LINEAR",
     "MATMUL",
+    "REGENERABLE",
     "Action",
     "Policy",
     "as_policy",
     "either",
     "offload_everything",
     "offload_outputs_of",
+    "regenerate",
     "save_all_but",
     "save_everything",
     "save_larger_than",
@@ -108,6 +110,9 @@ class Policy:
 
     rule: Callable[[str, int], Action] = field(repr=False, compare=False)
     description: str
+    #: Ops whose saved outputs are rebuilt in backward instead of kept, outside
+    #: any region (`regenerate`); empty for a region's policy.
+    regenerate: frozenset[str] = frozenset()
 
     def decide(self, op: str, nbytes: int) -> Action:
         """Return the action for one op output of ``nbytes`` bytes made by ``op``."""
@@ -178,6 +183,39 @@ def offload_outputs_of(*ops: str) -> Policy:
     )
 
 
+REGENERABLE: tuple[str, ...] = ("aten.gelu", "aten.silu")
+"""Ops `regenerate` can rebuild: their backward keeps the input they ran on."""
+
+
+def regenerate(*ops: str) -> Policy:
+    """Keep the stage, but rebuild the saved outputs of cheap ``ops`` in backward.
+
+    Not a region's policy: the stage runs once, as plain autograd, and each
+    tensor saved for backward that is the output of one of ``ops`` (or a view
+    of it) is rebuilt from the input the op's own backward keeps (NOTE
+    [regenerate] in ``forget._regen``): GELU's output, which the next Linear
+    saves, costs one GELU in backward instead of its bytes. Gradients are
+    bitwise the plain run's. With no ``ops``, every op of `REGENERABLE`.
+    Use it as a stage option of `forget.plan` (``options={"regen":
+    regenerate()}``) or around plain code with ``forget.regenerating``.
+
+    Raises:
+        ValueError: an op that cannot be rebuilt this way.
+    """
+    names = _op_set(ops or REGENERABLE)
+    unknown = sorted(names - set(REGENERABLE))
+    if unknown:
+        raise ValueError(
+            f"forget: regenerate cannot rebuild {', '.join(unknown)}; it rebuilds "
+            f"{', '.join(REGENERABLE)} (ops whose backward keeps their input)."
+        )
+    return Policy(
+        lambda op, nbytes: Action.SAVE,
+        f"regenerate outputs of {', '.join(sorted(names))}",
+        regenerate=names,
+    )
+
+
 def _check_bytes(nbytes: int) -> int:
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"forget: a byte threshold must be an int >= 0, got {nbytes!r}.")
@@ -206,7 +244,16 @@ _RANK = {Action.RECOMPUTE: 0, Action.OFFLOAD: 1, Action.SAVE: 2}
 
 
 def either(first: Policy, second: Policy) -> Policy:
-    """Keep what either policy keeps: save beats offload beats recompute."""
+    """Keep what either policy keeps: save beats offload beats recompute.
+
+    Raises:
+        ValueError: either is a `regenerate` policy, which is no region's policy.
+    """
+    if first.regenerate or second.regenerate:
+        raise ValueError(
+            "forget: a regenerate policy runs a stage plainly and does not combine with a "
+            "region's policy; give them as separate options."
+        )
 
     def rule(op: str, nbytes: int) -> Action:
         a, b = first.rule(op, nbytes), second.rule(op, nbytes)

@@ -1,0 +1,145 @@
+"""NOTE [regenerate]: saved GELU / SiLU outputs rebuilt in backward, bitwise."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import forget
+from forget import policies as P
+from forget._planning import _Planner
+from forget.models import build_model
+
+
+class _MLP(nn.Module):
+    def __init__(self, act: str = "gelu") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.act = act
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = self.fc1(h)
+        z = F.gelu(z, approximate="tanh") if self.act == "tanh" else getattr(F, self.act)(z)
+        return h + self.fc2(z)
+
+
+def _step(model: nn.Module, x: torch.Tensor, regen: P.Policy | None, create_graph=False):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    if regen is None:
+        report = forget.measure(model, x)
+    else:
+        with forget.regenerating(regen):
+            report = forget.measure(model, x)
+    y = report.result
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=create_graph)
+    grads = torch.autograd.grad(gx.sum(), list(model.parameters())) if create_graph else None
+    return report.saved_bytes, gx, grads
+
+
+@pytest.mark.parametrize("act", ["gelu", "tanh", "silu"])
+@pytest.mark.parametrize("shape", [(8, 16), (2, 4, 16)])  # 3-d: Linear saves a view
+def test_regenerated_outputs_give_the_plain_gradients_bitwise_in_fewer_bytes(act, shape):
+    model, x = _MLP(act), torch.randn(*shape)
+    plain = _step(model, x, None)
+    ours = _step(model, x, P.regenerate())
+    assert torch.equal(plain[1], ours[1])
+    # Exactly the activation's output is spared: 64 floats per row.
+    rows = x.numel() // 16
+    assert plain[0] - ours[0] == rows * 64 * 4
+    # Only the op named is rebuilt.
+    other = "aten.silu" if act != "silu" else "aten.gelu"
+    assert _step(model, x, P.regenerate(other))[0] == plain[0]
+
+
+def test_regenerated_outputs_under_double_backward():
+    model, x = _MLP(), torch.randn(2, 4, 16)
+    plain = _step(model, x, None, create_graph=True)
+    ours = _step(model, x, P.regenerate(), create_graph=True)
+    assert torch.equal(plain[1], ours[1])
+    assert all(torch.equal(a, b) for a, b in zip(plain[2], ours[2], strict=True))
+
+
+def test_the_op_runs_again_once_per_unpack_and_a_live_output_is_used_as_is(monkeypatch):
+    from forget import _regen
+
+    calls = []
+    rule = _regen._RULES["GeluBackward0"]
+    monkeypatch.setitem(
+        _regen._RULES, "GeluBackward0", (rule[0], lambda n: calls.append(1) or rule[1](n))
+    )
+    x = torch.randn(4, 16, requires_grad=True)
+    fc = nn.Linear(16, 16)
+    with forget.regenerating(P.regenerate("gelu")):
+        y = fc(F.gelu(x))
+    y.sum().backward()
+    assert calls == [1]
+    # Held by the caller, the output is not rebuilt; modified in place, it raises.
+    with forget.regenerating(P.regenerate("gelu")):
+        g = F.gelu(x)
+        y = fc(g)
+    y.sum().backward()
+    assert calls == [1]
+    with forget.regenerating(P.regenerate("gelu")):
+        g = F.gelu(x)
+        y = fc(g)
+    with torch.no_grad():
+        g.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place after it was saved"):
+        y.sum().backward()
+
+
+def test_regenerate_is_no_region_policy_and_refuses_to_run_inside_one():
+    policy = P.regenerate()
+    assert policy.regenerate == {"aten.gelu", "aten.silu"}
+    assert str(policy) == "regenerate outputs of aten.gelu, aten.silu"
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(TypeError, match="is not a region's policy"):
+        forget.checkpoint(F.gelu, x, policy=policy)
+
+    def inside(h):
+        with forget.regenerating(policy):
+            return F.gelu(h)
+
+    with pytest.raises(forget.ForgetError, match="inside a forget region"):
+        forget.forget(inside, x)
+    with (
+        pytest.raises(TypeError, match=r"regenerating\(\) takes"),
+        forget.regenerating(P.save_nothing),
+    ):
+        pass
+    with pytest.raises(ValueError, match=r"cannot rebuild aten\.relu"):
+        P.regenerate("relu")
+    with pytest.raises(ValueError, match="does not combine"):
+        P.either(policy, P.save_outputs_of("mm"))
+
+
+def test_a_plan_may_keep_mlp_halves_with_their_gelu_regenerated(tmp_path):
+    # The GPT's MLP half: GELU's output is 4x the width, rebuilt for one GELU.
+    model = build_model("tiny_gpt", "tiny")
+    x, target = model.example_input(generator=torch.Generator().manual_seed(0))
+    options = {"regen": P.regenerate()}
+    planner = _Planner(model, (x, target), options=options, repeats=1, split=True)
+    mlp = next(s for s in planner.chain.stages if s.name.endswith(".mlp"))
+    (option,) = mlp.options
+    hidden = x.numel() * model.blocks[0].fc1.out_features * 4
+    assert mlp.saved_bytes - option.saved_bytes == hidden
+    plan = planner.plan(planner.plain_peak - 1)
+    assert any(d.option == "regen" for d in plan.schedule.stage_decisions())
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = forget.Plan.load(path, options=options)
+    grads = []
+    for net in (copy.deepcopy(model), loaded.apply(copy.deepcopy(model))):
+        torch.manual_seed(3)
+        net.step(x, target)
+        grads.append([p.grad for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert forget.measure(loaded.apply(copy.deepcopy(model)).step, x, target).peak_bytes == (
+        plan.measured_peak_bytes
+    )
