@@ -57,11 +57,16 @@ def _step(model_name: str, size: str, variant: str) -> None:
         model.step(x, target, wrap)
     model.zero_grad(set_to_none=True)
     gc.collect()
-    gc.disable()
-    control = ["callgrind_control", "-i"]
-    subprocess.run([*control, "on", str(os.getpid())], check=True, capture_output=True)
-    model.step(x, target, wrap)
-    subprocess.run([*control, "off", str(os.getpid())], check=True, capture_output=True)
+    enabled = gc.isenabled()
+    gc.disable()  # no collection inside the counted step; put back after (a test runs it)
+    try:
+        control = ["callgrind_control", "-i"]
+        subprocess.run([*control, "on", str(os.getpid())], check=True, capture_output=True)
+        model.step(x, target, wrap)
+        subprocess.run([*control, "off", str(os.getpid())], check=True, capture_output=True)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _count(model_name: str, size: str, variant: str) -> int:

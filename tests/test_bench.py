@@ -5,6 +5,7 @@ Smoke tests at tiny sizes; no test asserts a timing.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -241,3 +242,4 @@ def test_instruction_counter_step_runs_each_variant(monkeypatch):
     finally:
         torch.set_num_threads(threads)  # _step runs one thread, as under valgrind
     assert calls == ["on", "off"] * len(script.VARIANTS)
+    assert gc.isenabled()  # the counted step turns collection off only while it runs
