@@ -432,33 +432,15 @@ def _is_compiled(fn: Any) -> bool:
 
 
 def _run_ledger(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryReport:
-    """Run ``fn`` under a ledger.
-
-    NOTE [young garbage]: reference cycles the call leaves are collected before
-    ``end_bytes`` is read. A full collection walks every object of the process,
-    0.2 s with torch's compiler modules imported, which was half the time of
-    planning a small model (43 measured steps). So automatic collection is off
-    during the call, which leaves every object the call made in the youngest
-    generation (and makes the peak independent of when a collection would have
-    struck), and collecting that generation alone finds the call's cycles. Only
-    if something collected explicitly during the call, promoting young objects,
-    is the collection full.
-    """
     ledger = _Ledger()
-    enabled = gc.isenabled()
-    collections = [g["collections"] for g in gc.get_stats()]
-    gc.disable()  # NOTE [young garbage]
     try:
         with _watch(ledger):
             result = fn(*args, **kwargs)
         # Frees that garbage collection owes the call (reference cycles) happen now,
         # while the ledger still listens, so end_bytes does not depend on GC timing.
-        promoted = [g["collections"] for g in gc.get_stats()] != collections
-        gc.collect(2 if promoted else 0)
+        gc.collect()
         end, end_by_device = ledger.live, dict(ledger.live_by_device)
     finally:
-        if enabled:
-            gc.enable()
         ledger.close()
     saved = ledger.saved if ledger.backward_ran else end
     saved_by_device = ledger.saved_by_device if ledger.backward_ran else end_by_device
