@@ -113,10 +113,11 @@ import torch
 from torch import Tensor, nn
 
 from . import plan as P
-from ._core import run_region
+from ._core import _identity, run_region
 from ._errors import BudgetInfeasibleError
 from ._measure import measure
 from ._regen import regenerating
+from ._stateful import _storage_key
 from .plan._baselines import forget_each_items, on_sub_stages, uniform_items
 from .policies import Policy, as_policy
 
@@ -286,7 +287,7 @@ def _dead_cuts(target: _Target, offered: list[list[tuple[str, Block]]]) -> list[
             saved: set[tuple[torch.device, int]] = set()
 
             def pack(t: Tensor, saved: set[tuple[torch.device, int]] = saved) -> Tensor:
-                saved.add((t.device, t.untyped_storage().data_ptr()))
+                saved.add(_storage_key(t))
                 return t
 
             cuts: list[Tensor] = []
@@ -295,10 +296,10 @@ def _dead_cuts(target: _Target, offered: list[list[tuple[str, Block]]]) -> list[
                     if k:
                         cuts.append(h)
                     h = _check_tensor(part(h), "the output of a block's stage")
-            saved.add((h.device, h.untyped_storage().data_ptr()))
+            saved.add(_storage_key(h))
             sizes = [1]
             for cut in cuts:
-                if (cut.device, cut.untyped_storage().data_ptr()) in saved:
+                if _storage_key(cut) in saved:
                     sizes.append(1)
                 else:
                     sizes[-1] += 1
@@ -306,10 +307,6 @@ def _dead_cuts(target: _Target, offered: list[list[tuple[str, Block]]]) -> list[
             del cuts
             h = h.detach().requires_grad_(h.is_floating_point())
     return groups
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
 
 
 def _split(target: _Target) -> _Target:

@@ -60,7 +60,7 @@ class _Regenerated:
         self.ref = weakref.ref(t)
         self.version = t._version
         self.view = view
-        self.layout = (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+        self.layout = (t.shape, t.stride(), t.storage_offset(), t.dtype)
         base = t._base if view else t
         assert base is not None
         self.base_stride = base.stride()
@@ -76,7 +76,7 @@ class _Regenerated:
                 )
             return live
         out = self.rule(self.node)
-        shape, stride, offset, dtype, _ = self.layout
+        shape, stride, offset, dtype = self.layout
         if self.view and out.stride() == self.base_stride and not out.storage_offset():
             out = out.as_strided(shape, stride, offset)
         if out.shape != shape or out.stride() != stride or out.dtype != dtype:
