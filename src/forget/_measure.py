@@ -427,6 +427,34 @@ def _watch(ledger: _Ledger) -> Iterator[None]:
         _active.ledgers.remove(ledger)
 
 
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Freeze the objects alive now for the duration of the block (many measured calls).
+
+    NOTE [frozen heap]: `measure` collects garbage in full after every call, so
+    that the cycles the call leaves are freed before ``end_bytes`` is read. A
+    full collection walks every object the collector tracks; with torch's
+    compiler modules imported (the first dispatch mode imports them) that is
+    some 185,000 objects, 0.07 to 0.12 s per call here, which was half the time
+    of planning a small model. Objects alive before the block are not garbage
+    the block's calls made, so the block freezes them (``gc.freeze``): the
+    collections inside walk only what the block made, and find the same cycles,
+    so every figure is the same. Cycles among the frozen objects wait for the
+    block's end (``gc.unfreeze``), as they would wait for any late collection.
+    A process that froze objects itself is left as it is (nothing is frozen or
+    unfrozen here), and so is a block nested in another.
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _is_compiled(fn: Any) -> bool:
     return hasattr(fn, "_torchdynamo_orig_callable") or type(fn).__name__ == "OptimizedModule"
 

@@ -25,6 +25,7 @@ import torch
 from . import plan as P
 from . import policies
 from ._errors import BudgetInfeasibleError
+from ._measure import frozen_heap
 from ._planning import Plan, _Items, _Planner, paired_overheads, time_side_by_side
 from .models import MODEL_NAMES, SIZES, BlockModel, build_model, model_settings
 from .policies import Policy
@@ -579,12 +580,13 @@ def main(argv: Sequence[str]) -> int:
     progress = _Progress(len(built), enabled=not args.quiet, desc="forget plan")
     results = []
     try:
-        for name, model, inputs in built:
-            planner = _Planner(
-                model, inputs, options=options or None, repeats=args.repeats, split=args.split
-            )
-            results.append(_plan_budgets(name, planner, labels, args.algorithm, args.repeats))
-            progress.update(name)
+        with frozen_heap():  # NOTE [frozen heap] in forget._measure
+            for name, model, inputs in built:
+                planner = _Planner(
+                    model, inputs, options=options or None, repeats=args.repeats, split=args.split
+                )
+                results.append(_plan_budgets(name, planner, labels, args.algorithm, args.repeats))
+                progress.update(name)
     finally:
         progress.close()
     if not args.quiet:

@@ -115,7 +115,7 @@ from torch import Tensor, nn
 from . import plan as P
 from ._core import _identity, run_region
 from ._errors import BudgetInfeasibleError
-from ._measure import measure
+from ._measure import frozen_heap, measure
 from ._regen import regenerating
 from ._stateful import _storage_key
 from .plan._baselines import forget_each_items, on_sub_stages, uniform_items
@@ -755,6 +755,7 @@ def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P
     return P.Chain(tuple(stages), region_overhead_s=region_s)
 
 
+@frozen_heap()  # NOTE [frozen heap] in forget._measure
 def profile_chain(
     blocks: object,
     *sample_inputs: Any,
@@ -1094,6 +1095,7 @@ class _Trials:
         return self.peaks[key]
 
 
+@frozen_heap()  # NOTE [frozen heap] in forget._measure
 def plan(
     model_or_blocks: object,
     *sample_inputs: Any,
@@ -1225,6 +1227,7 @@ def _displaces(rounds: Sequence[float], reference: Sequence[float]) -> bool:
 class _Planner:
     """Profile once, then plan for several budgets, sharing the measured trials."""
 
+    @frozen_heap()  # NOTE [frozen heap] in forget._measure
     def __init__(
         self,
         model_or_blocks: object,
@@ -1381,6 +1384,7 @@ class _Planner:
             best = 0
         return candidates[best]
 
+    @frozen_heap()  # NOTE [frozen heap] in forget._measure
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
         chain, trials = self.chain, self.trials
         budget_bytes = P.parse_budget(budget, self.plain_peak)
