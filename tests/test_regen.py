@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -71,7 +72,9 @@ def test_the_op_runs_again_once_per_unpack_and_a_live_output_is_used_as_is(monke
     calls = []
     rule = _regen._RULES["GeluBackward0"]
     monkeypatch.setitem(
-        _regen._RULES, "GeluBackward0", (rule[0], lambda n: calls.append(1) or rule[1](n))
+        _regen._RULES,
+        "GeluBackward0",
+        (rule[0], lambda n: (lambda r: lambda: calls.append(1) or r())(rule[1](n))),
     )
     x = torch.randn(4, 16, requires_grad=True)
     fc = nn.Linear(16, 16)
@@ -96,8 +99,8 @@ def test_the_op_runs_again_once_per_unpack_and_a_live_output_is_used_as_is(monke
 
 def test_regenerate_is_no_region_policy_and_refuses_to_run_inside_one():
     policy = P.regenerate()
-    assert policy.regenerate == {"aten.gelu", "aten.silu"}
-    assert str(policy) == "regenerate outputs of aten.gelu, aten.silu"
+    assert policy.regenerate == set(P.REGENERABLE)
+    assert str(policy) == ("regenerate outputs of aten.bernoulli_, aten.gelu, aten.mul, aten.silu")
     x = torch.randn(4, 16, requires_grad=True)
     with pytest.raises(TypeError, match="is not a region's policy"):
         forget.checkpoint(F.gelu, x, policy=policy)
@@ -128,7 +131,9 @@ def test_a_plan_may_keep_mlp_halves_with_their_gelu_regenerated(tmp_path):
     mlp = next(s for s in planner.chain.stages if s.name.endswith(".mlp"))
     (option,) = mlp.options
     hidden = x.numel() * model.blocks[0].fc1.out_features * 4
-    assert mlp.saved_bytes - option.saved_bytes == hidden
+    drop = x.numel() * model.blocks[0].fc2.out_features * 4  # its dropout's float mask
+    # NOTE [two-valued masks]: the mask kept as bools, with its value and a zero.
+    assert mlp.saved_bytes - option.saved_bytes == hidden + drop - drop // 4 - 2 * 4
     plan = planner.plan(planner.plain_peak - 1)
     assert any(d.option == "regen" for d in plan.schedule.stage_decisions())
     path = tmp_path / "plan.json"
@@ -143,3 +148,55 @@ def test_a_plan_may_keep_mlp_halves_with_their_gelu_regenerated(tmp_path):
     assert forget.measure(loaded.apply(copy.deepcopy(model)).step, x, target).peak_bytes == (
         plan.measured_peak_bytes
     )
+
+
+def _attention(qkv: torch.Tensor) -> torch.Tensor:
+    q, k, v = qkv.unflatten(-1, (3, 2, 16)).permute(2, 0, 3, 1, 4)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True).sum(1)
+
+
+def test_a_dropouts_product_and_float_mask_are_rebuilt_bitwise():
+    # NOTE [regenerate a product], NOTE [two-valued masks]: CPU attention dropout
+    # multiplies softmax's result (which softmax keeps) by a float mask of 0 and
+    # 1/(1-p) (which the product's backward keeps); the next matmul keeps the product.
+    qkv = torch.randn(2, 32, 96)
+    runs = {}
+    for name, policy in [("plain", None), ("mul", P.regenerate("mul")), ("all", P.regenerate())]:
+        x = qkv.clone().requires_grad_()
+        torch.manual_seed(5)
+        with contextlib.ExitStack() as stack:
+            if policy is not None:
+                stack.enter_context(forget.regenerating(policy))
+            report = forget.measure(_attention, x)
+        report.result.square().sum().backward()
+        runs[name] = (report.saved_bytes, x.grad)
+    scores = 2 * 2 * 32 * 32 * 4  # batch, heads, query, key; float32
+    assert runs["plain"][0] - runs["mul"][0] == scores
+    assert runs["plain"][0] - runs["all"][0] == scores + scores - scores // 4 - 2 * 4
+    assert torch.equal(runs["plain"][1], runs["mul"][1])
+    assert torch.equal(runs["plain"][1], runs["all"][1])
+
+
+def test_what_cannot_be_rebuilt_exactly_is_kept():
+    from forget._regen import _two_valued
+
+    policy = P.regenerate()
+    a = torch.randn(64, 64, requires_grad=True)
+    # The product's first operand is kept by no one (an addition keeps nothing).
+    with forget.regenerating(policy):
+        report = forget.measure(lambda: (a + 1) * torch.ones(64, 64) @ a)
+    with forget.regenerating(P.regenerate("gelu")):
+        kept = forget.measure(lambda: (a + 1) * torch.ones(64, 64) @ a)
+    assert report.saved_bytes == kept.saved_bytes
+    mask = torch.empty(64, 64).bernoulli_(0.5).div_(0.5)
+    assert _two_valued(mask) is not None
+    assert torch.equal(_two_valued(mask)(), mask)
+    assert _two_valued(torch.ones(64, 64)) is None  # never written in place
+    assert _two_valued(mask[:8]) is None  # a view
+    assert _two_valued(mask[:8].clone().add_(0)) is None  # too small to pay
+    three = mask.clone()
+    three[0, 0] = 3.0
+    assert _two_valued(three) is None
+    signed = mask.clone()
+    signed[signed == 0] = -0.0  # equal to 0.0, but not the same bits
+    assert _two_valued(signed) is None

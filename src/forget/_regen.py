@@ -36,27 +36,97 @@ from .policies import REGENERABLE, Policy
 
 __all__ = ["regenerating"]
 
-# Backward node -> (the op it is the backward of, how to rebuild the op's output).
-_RULES: dict[str, tuple[str, Callable[[Any], torch.Tensor]]] = {
-    "GeluBackward0": (
-        "aten.gelu",
-        lambda node: torch.ops.aten.gelu(node._saved_self, approximate=node._saved_approximate),
-    ),
-    "SiluBackward0": ("aten.silu", lambda node: torch.ops.aten.silu(node._saved_self)),
+Rebuild = Callable[[], torch.Tensor]
+
+
+def _gelu(node: Any) -> Rebuild | None:
+    return lambda: torch.ops.aten.gelu(node._saved_self, approximate=node._saved_approximate)
+
+
+def _silu(node: Any) -> Rebuild | None:
+    return lambda: torch.ops.aten.silu(node._saved_self)
+
+
+def _operand(node: Any, i: int, saved: str) -> Callable[[], torch.Tensor] | None:
+    """How to get operand ``i`` of a binary op back in backward, or None.
+
+    NOTE [regenerate a product]: ``MulBackward0`` keeps ``other`` when ``self``
+    needs a gradient and ``self`` when ``other`` does (the next function of an
+    operand without one is None). An operand it does not keep may still be kept
+    by the op that made it, as its result (softmax, exp, tanh, sigmoid keep
+    theirs): that result *is* the operand, whose own grad_fn is that node.
+    """
+    other = node.next_functions[1 - i][0]
+    if other is not None:
+        return lambda: getattr(node, saved)
+    producer, output = node.next_functions[i]
+    if producer is not None and output == 0 and hasattr(producer, "_saved_result"):
+        return lambda: producer._saved_result
+    return None
+
+
+def _mul(node: Any) -> Rebuild | None:
+    a, b = _operand(node, 0, "_saved_self"), _operand(node, 1, "_saved_other")
+    if a is None or b is None:
+        return None
+    return lambda: torch.ops.aten.mul(a(), b())
+
+
+# Backward node -> (the op it is the backward of, how to rebuild the op's output
+# from that node, or None where it cannot).
+_RULES: dict[str, tuple[str, Callable[[Any], Rebuild | None]]] = {
+    "GeluBackward0": ("aten.gelu", _gelu),
+    "SiluBackward0": ("aten.silu", _silu),
+    "MulBackward0": ("aten.mul", _mul),
 }
-assert {op for op, _ in _RULES.values()} == set(REGENERABLE)
+# NOTE [two-valued masks]: not an op's output rebuilt, a tensor stored smaller.
+_MASKS = "aten.bernoulli_"
+assert {op for op, _ in _RULES.values()} | {_MASKS} == set(REGENERABLE)
+_MIN_MASK_NUMEL = 1024
+_SAME_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
+_SAME_BITS.update({torch.float16: torch.int16, torch.bfloat16: torch.int16})
+
+
+def _two_valued(t: torch.Tensor) -> Rebuild | None:
+    """A rebuild of ``t`` from a bool mask and one value, if ``t`` is exactly that.
+
+    NOTE [two-valued masks]: dropout on CPU draws its mask as a float tensor,
+    ``empty_like(x).bernoulli_(1 - p).div_(1 - p)``, and the product's backward
+    keeps it: 4 bytes per element for one bit of information. A saved tensor
+    without a grad_fn that was written in place (its version is not 0, as
+    ``bernoulli_`` and ``div_`` leave it) is checked: if rebuilding it from
+    ``t != 0`` and its largest value gives the same bits, the mask (1 byte per
+    element) and that value are kept instead. The check costs four passes over
+    the tensor, only for such tensors; the rebuild, one.
+    """
+    bits = _SAME_BITS.get(t.dtype)
+    if (
+        bits is None
+        or t.grad_fn is not None
+        or t.requires_grad
+        or not t._version
+        or t.numel() < _MIN_MASK_NUMEL
+        or t._base is not None
+        or not t.is_contiguous()
+        or t.is_sparse
+        or t.device.type == "meta"
+    ):
+        return None
+    mask = t != 0
+    value = t.amax()
+    zero = torch.zeros((), dtype=t.dtype, device=t.device)
+    if not torch.equal(torch.where(mask, value, zero).view(bits), t.view(bits)):
+        return None
+    return lambda: torch.where(mask, value, zero)
 
 
 class _Regenerated:
-    """What is saved in place of a dropped output: how to rebuild it."""
+    """What is saved in place of a dropped tensor: how to rebuild it."""
 
-    __slots__ = ("base_stride", "layout", "node", "ref", "rule", "version", "view")
+    __slots__ = ("base_stride", "layout", "rebuild", "ref", "version", "view")
 
-    def __init__(
-        self, t: torch.Tensor, node: Any, rule: Callable[[Any], torch.Tensor], view: bool
-    ) -> None:
-        self.node = node
-        self.rule = rule
+    def __init__(self, t: torch.Tensor, rebuild: Rebuild, view: bool) -> None:
+        self.rebuild = rebuild
         self.ref = weakref.ref(t)
         self.version = t._version
         self.view = view
@@ -75,7 +145,7 @@ class _Regenerated:
                     f"{live._version}); the gradient would be computed from other values."
                 )
             return live
-        out = self.rule(self.node)
+        out = self.rebuild()
         shape, stride, offset, dtype = self.layout
         if self.view and out.stride() == self.base_stride and not out.storage_offset():
             out = out.as_strided(shape, stride, offset)
@@ -118,14 +188,18 @@ def regenerating(policy: Policy) -> Iterator[None]:
             "forget: regenerating() inside a forget region: the region saves nothing for "
             "backward already; use it around plain (kept) code."
         )
-    names = {name for name, (op, _) in _RULES.items() if op in policy.regenerate}
+    rules = {name: rule for name, (op, rule) in _RULES.items() if op in policy.regenerate}
+    masks = _MASKS in policy.regenerate
 
     def pack(t: torch.Tensor) -> Any:
         base = t if t._base is None else t._base
         node = base.grad_fn
-        if node is None or type(node).__name__ not in names:
-            return t
-        return _Regenerated(t, node, _RULES[type(node).__name__][1], base is not t)
+        if node is None:
+            rebuild = _two_valued(t) if masks else None
+            return t if rebuild is None else _Regenerated(t, rebuild, False)
+        rule = rules.get(type(node).__name__)
+        rebuild = None if rule is None else rule(node)
+        return t if rebuild is None else _Regenerated(t, rebuild, base is not t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         yield

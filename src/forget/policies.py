@@ -183,8 +183,12 @@ def offload_outputs_of(*ops: str) -> Policy:
     )
 
 
-REGENERABLE: tuple[str, ...] = ("aten.gelu", "aten.silu")
-"""Ops `regenerate` can rebuild: their backward keeps the input they ran on."""
+REGENERABLE: tuple[str, ...] = ("aten.gelu", "aten.silu", "aten.mul", "aten.bernoulli_")
+"""What `regenerate` can rebuild: the outputs of GELU and SiLU (their backward
+keeps their input), of a product whose operands are kept anyway (a dropout's
+masked output: its backward keeps the mask, softmax keeps its result), and the
+0-or-scale masks that ``aten.bernoulli_`` fills for a CPU dropout, kept as one
+byte per element (NOTE [two-valued masks] in ``forget._regen``)."""
 
 
 def regenerate(*ops: str) -> Policy:
@@ -195,7 +199,7 @@ def regenerate(*ops: str) -> Policy:
     of it) is rebuilt from the input the op's own backward keeps (NOTE
     [regenerate] in ``forget._regen``): GELU's output, which the next Linear
     saves, costs one GELU in backward instead of its bytes. Gradients are
-    bitwise the plain run's. With no ``ops``, every op of `REGENERABLE`.
+    bitwise the plain run's. With no ``ops``, every entry of `REGENERABLE`.
     Use it as a stage option of `forget.plan` (``options={"regen":
     regenerate()}``) or around plain code with ``forget.regenerating``.
 
