@@ -115,11 +115,17 @@ def _two_valued(t: torch.Tensor) -> Rebuild | None:
         or t.device.type == "meta"
     ):
         return None
-    mask = t != 0
+    # Exact, in reductions (cheaper here than comparing a rebuilt copy): as bits,
+    # no element is negative (no sign bit), ``mask`` marks those equal to the
+    # largest, and the bits sum to theirs alone, so every other element is +0.
+    as_bits = t.view(bits)
     value = t.amax()
-    zero = torch.zeros((), dtype=t.dtype, device=t.device)
-    if not torch.equal(torch.where(mask, value, zero).view(bits), t.view(bits)):
+    if not value > 0 or as_bits.amin() < 0:
         return None
+    mask = t == value  # positive floats are equal only with the same bits
+    if as_bits.sum() != mask.sum() * value.view(bits).to(torch.int64):
+        return None
+    zero = torch.zeros((), dtype=t.dtype, device=t.device)
     return lambda: torch.where(mask, value, zero)
 
 
