@@ -42,11 +42,11 @@ __all__ = ["regenerating"]
 Rebuild = Callable[[], torch.Tensor]
 
 
-def _gelu(node: Any) -> Rebuild | None:
+def _gelu(node: Any, out: torch.Tensor) -> Rebuild | None:
     return lambda: torch.ops.aten.gelu(node._saved_self, approximate=node._saved_approximate)
 
 
-def _silu(node: Any) -> Rebuild | None:
+def _silu(node: Any, out: torch.Tensor) -> Rebuild | None:
     return lambda: torch.ops.aten.silu(node._saved_self)
 
 
@@ -68,19 +68,58 @@ def _operand(node: Any, i: int, saved: str) -> Callable[[], torch.Tensor] | None
     return None
 
 
-def _mul(node: Any) -> Rebuild | None:
+def _mul(node: Any, out: torch.Tensor) -> Rebuild | None:
     a, b = _operand(node, 0, "_saved_self"), _operand(node, 1, "_saved_other")
     if a is None or b is None:
         return None
     return lambda: torch.ops.aten.mul(a(), b())
 
 
-# Backward node -> (the op it is the backward of, how to rebuild the op's output
-# from that node, or None where it cannot).
-_RULES: dict[str, tuple[str, Callable[[Any], Rebuild | None]]] = {
+# NOTE [regenerate a layer norm]: the epsilons tried, the last one that worked first.
+_EPSILONS = [1e-5, 1e-6, 1e-12]
+
+
+def _layer_norm(node: Any, out: torch.Tensor) -> Rebuild | None:
+    """LayerNorm's output from the input, weight and bias its backward keeps.
+
+    NOTE [regenerate a layer norm]: ``NativeLayerNormBackward0`` keeps all the
+    op's inputs but ``eps``. So the rebuild is tried at pack time with the
+    usual epsilons (``nn.LayerNorm``'s 1e-5 first, then the last that worked)
+    and kept only if it gives the output's very bits: one LayerNorm forward
+    in the forward pass and one in backward, for the output's bytes.
+    """
+    if out.output_nr != 0 or out.requires_grad is False:
+        return None
+    bits = _SAME_BITS.get(out.dtype)
+    if bits is None or out.device.type != "cpu":
+        return None  # NOTE [two-valued masks]: comparing would wait for a device
+    x, shape = node._saved_input, node._saved_normalized_shape
+    weight, bias = node._saved_weight, node._saved_bias
+
+    for eps in list(_EPSILONS):
+        with torch.no_grad():
+            again = torch.ops.aten.native_layer_norm(x, shape, weight, bias, eps)[0]
+        if again.stride() == out.stride() and torch.equal(again.view(bits), out.view(bits)):
+            if eps != _EPSILONS[0]:
+                _EPSILONS.remove(eps)
+                _EPSILONS.insert(0, eps)
+            return lambda: torch.ops.aten.native_layer_norm(
+                node._saved_input,
+                node._saved_normalized_shape,
+                node._saved_weight,
+                node._saved_bias,
+                eps,
+            )[0]
+    return None
+
+
+# Backward node -> (the op it is the backward of, how to rebuild the op's output,
+# given the node and that output, or None where it cannot).
+_RULES: dict[str, tuple[str, Callable[[Any, torch.Tensor], Rebuild | None]]] = {
     "GeluBackward0": ("aten.gelu", _gelu),
     "SiluBackward0": ("aten.silu", _silu),
     "MulBackward0": ("aten.mul", _mul),
+    "NativeLayerNormBackward0": ("aten.native_layer_norm", _layer_norm),
 }
 # NOTE [two-valued masks]: not an op's output rebuilt, a tensor stored smaller.
 _MASKS = "aten.bernoulli_"
@@ -209,7 +248,7 @@ def regenerating(policy: Policy) -> Iterator[None]:
             rebuild = _two_valued(t) if masks else None
             return t if rebuild is None else _Regenerated(t, rebuild, False)
         rule = rules.get(type(node).__name__)
-        rebuild = None if rule is None else rule(node)
+        rebuild = None if rule is None else rule(node, base)
         return t if rebuild is None else _Regenerated(t, rebuild, base is not t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):

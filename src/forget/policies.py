@@ -183,9 +183,17 @@ def offload_outputs_of(*ops: str) -> Policy:
     )
 
 
-REGENERABLE: tuple[str, ...] = ("aten.gelu", "aten.silu", "aten.mul", "aten.bernoulli_")
+REGENERABLE: tuple[str, ...] = (
+    "aten.gelu",
+    "aten.silu",
+    "aten.native_layer_norm",
+    "aten.mul",
+    "aten.bernoulli_",
+)
 """What `regenerate` can rebuild: the outputs of GELU and SiLU (their backward
-keeps their input), of a product whose operands are kept anyway (a dropout's
+keeps their input), of LayerNorm (its backward keeps every input but ``eps``,
+which is found by trying the usual ones, kept only where the output's bits
+come out again), of a product whose operands are kept anyway (a dropout's
 masked output: its backward keeps the mask, softmax keeps its result), and the
 0-or-scale masks that ``aten.bernoulli_`` fills for a CPU dropout, kept as one
 byte per element (NOTE [two-valued masks] in ``forget._regen``)."""
