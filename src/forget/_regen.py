@@ -156,16 +156,17 @@ def _two_valued(t: torch.Tensor) -> Rebuild | None:
         or t.device.type != "cpu"
     ):
         return None
-    # Exact, in reductions (cheaper here than comparing a rebuilt copy): as bits,
-    # no element is negative (no sign bit), ``mask`` marks those equal to the
-    # largest, and the bits sum to theirs alone, so every other element is +0.
+    # Exact, in three passes over the bits (as integers): none is negative (no
+    # sign bit), the largest is V > 0, and they sum to V times the number of
+    # nonzero ones; so each nonzero one is V, and every other one is +0.
     as_bits = t.view(bits)
-    value = t.amax()
-    if not value > 0 or as_bits.amin() < 0:
+    low, high = torch.aminmax(as_bits)
+    if low < 0 or high <= 0:
         return None
-    mask = t == value  # positive floats are equal only with the same bits
-    if as_bits.sum() != mask.sum() * value.view(bits).to(torch.int64):
+    mask = as_bits != 0
+    if as_bits.sum() != mask.sum() * high.to(torch.int64):
         return None
+    value = high.view(t.dtype)
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
     return lambda: torch.where(mask, value, zero)
 
