@@ -456,8 +456,8 @@ def parse_option(text: str) -> tuple[str, Policy]:
 
     Each ``+``-joined part is a group of `forget.policies` (any case) or an aten
     op name (``bmm``, ``aten.bmm``). ``NAME=REGENERATE`` keeps the stage and
-    rebuilds GELU / SiLU outputs and dropout products and masks in backward
-    (`forget.policies.regenerate`).
+    rebuilds GELU / SiLU / LayerNorm outputs and dropout products and masks in
+    backward (`forget.policies.regenerate`).
     """
     name, sep, ops = text.partition("=")
     name, ops = name.strip(), ops.strip()
@@ -519,7 +519,8 @@ def _parser() -> argparse.ArgumentParser:
             "a partial keep the planner may choose per stage: keep the outputs of OPS, "
             f"+-joined groups ({', '.join(_GROUPS)}) or aten ops, e.g. "
             "sel=LINEAR+CONV+ATTENTION+DROPOUT; or NAME=REGENERATE: keep the stage and "
-            "rebuild its GELU/SiLU outputs and dropout products and masks in backward (repeatable)"
+            "rebuild its GELU/SiLU/LayerNorm outputs and dropout products and masks in backward "
+            "(repeatable)"
         ),
     )
     p.add_argument(

@@ -16,8 +16,9 @@ GELU output (1 MiB of 2.5 MiB) for one GELU, where a policy region's per-op
 bookkeeping costs more than the ops it spares (NOTE [plain re-run] in
 ``_core``).
 
-Products (NOTE [regenerate a product]) and CPU dropout's float masks (NOTE
-[two-valued masks]) are rebuilt the same way, from what autograd keeps anyway.
+LayerNorm's output (NOTE [regenerate a layer norm]), products (NOTE
+[regenerate a product]) and CPU dropout's float masks (NOTE [two-valued
+masks]) are rebuilt the same way, from what autograd keeps anyway.
 
 It works outside forget regions only: inside one, the region's own hooks save
 nothing anyway, and these hooks, entered there, would keep what the region
