@@ -29,6 +29,7 @@ the version check autograd would make.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -78,6 +79,7 @@ def _mul(node: Any, out: torch.Tensor) -> Rebuild | None:
 
 # NOTE [regenerate a layer norm]: the epsilons tried, the last one that worked first.
 _EPSILONS = [1e-5, 1e-6, 1e-12]
+_EPSILONS_LOCK = threading.Lock()
 
 
 def _layer_norm(node: Any, out: torch.Tensor) -> Rebuild | None:
@@ -97,13 +99,15 @@ def _layer_norm(node: Any, out: torch.Tensor) -> Rebuild | None:
     x, shape = node._saved_input, node._saved_normalized_shape
     weight, bias = node._saved_weight, node._saved_bias
 
-    for eps in list(_EPSILONS):
+    with _EPSILONS_LOCK:
+        epsilons = list(_EPSILONS)
+    for eps in epsilons:
         with torch.no_grad():
             again = torch.ops.aten.native_layer_norm(x, shape, weight, bias, eps)[0]
         if again.stride() == out.stride() and torch.equal(again.view(bits), out.view(bits)):
-            if eps != _EPSILONS[0]:
-                _EPSILONS.remove(eps)
-                _EPSILONS.insert(0, eps)
+            if eps != epsilons[0]:
+                with _EPSILONS_LOCK:
+                    _EPSILONS.sort(key=lambda e: e != eps)  # stable: eps first
             return lambda: torch.ops.aten.native_layer_norm(
                 node._saved_input,
                 node._saved_normalized_shape,
