@@ -169,7 +169,7 @@ def _two_valued(t: torch.Tensor) -> Rebuild | None:
     if low < 0 or high <= 0:
         return None
     mask = as_bits != 0
-    if as_bits.sum() != mask.sum() * high.to(torch.int64):
+    if as_bits.sum() != torch.count_nonzero(mask) * high.to(torch.int64):
         return None
     value = high.view(t.dtype)
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
