@@ -87,15 +87,16 @@ def _layer_norm(node: Any, out: torch.Tensor) -> Rebuild | None:
 
     NOTE [regenerate a layer norm]: ``NativeLayerNormBackward0`` keeps all the
     op's inputs but ``eps``. So the rebuild is tried at pack time with the
-    usual epsilons (``nn.LayerNorm``'s 1e-5 first, then the last that worked)
-    and kept only if it gives the output's very bits: one LayerNorm forward
-    in the forward pass and one in backward, for the output's bytes.
+    usual epsilons (the last one that worked first; ``nn.LayerNorm``'s 1e-5
+    until one has) and kept only if it gives the output's very bits: one
+    LayerNorm forward in the forward pass and one in backward, for the
+    output's bytes.
     """
-    if out.output_nr != 0 or out.requires_grad is False:
+    if out.output_nr != 0 or not out.requires_grad:
         return None
-    bits = _SAME_BITS.get(out.dtype)
-    if bits is None or out.device.type != "cpu":
-        return None  # NOTE [two-valued masks]: comparing would wait for a device
+    bits = _cpu_bits(out)
+    if bits is None:
+        return None
     x, shape = node._saved_input, node._saved_normalized_shape
     weight, bias = node._saved_weight, node._saved_bias
 
@@ -134,6 +135,15 @@ _SAME_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 _SAME_BITS.update({torch.float16: torch.int16, torch.bfloat16: torch.int16})
 
 
+def _cpu_bits(t: torch.Tensor) -> torch.dtype | None:
+    """The integer dtype whose view of ``t`` compares its bits, for a CPU float tensor.
+
+    None elsewhere: the rules that compare bits at pack time (a mask's values, a
+    rebuilt LayerNorm) would wait for a CUDA device on every saved tensor.
+    """
+    return _SAME_BITS.get(t.dtype) if t.device.type == "cpu" else None
+
+
 def _two_valued(t: torch.Tensor) -> Rebuild | None:
     """A rebuild of ``t`` from a bool mask and one value, if ``t`` is exactly that.
 
@@ -148,7 +158,7 @@ def _two_valued(t: torch.Tensor) -> Rebuild | None:
     on CUDA, dropout's fused kernel keeps a bool mask already, and the check
     would wait for the device.
     """
-    bits = _SAME_BITS.get(t.dtype)
+    bits = _cpu_bits(t)
     if (
         bits is None
         or t.grad_fn is not None
@@ -158,7 +168,6 @@ def _two_valued(t: torch.Tensor) -> Rebuild | None:
         or t._base is not None
         or not t.is_contiguous()
         or t.is_sparse
-        or t.device.type != "cpu"
     ):
         return None
     # Exact, in three passes over the bits (as integers): none is negative (no
