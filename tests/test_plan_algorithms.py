@@ -41,13 +41,20 @@ PROFILE = settings(derandomize=True, deadline=None, max_examples=40)
 
 
 def random_chain(
-    rng: random.Random, n: int, *, options: bool = False, scale: int = 1, grads: bool = False
+    rng: random.Random,
+    n: int,
+    *,
+    options: bool = False,
+    scale: int = 1,
+    grads: bool = False,
+    in_regions: bool = False,
 ) -> Chain:
     """Return a chain with small random integer figures (times and sizes).
 
     With ``grads``, stages have parameter gradients too (NOTE [parameter
     gradients]), drawn after everything else so the other figures stay as
-    they were without.
+    they were without. With ``in_regions``, each option may run inside a
+    region or not (NOTE [options in regions]), drawn last of all.
     """
     a = [rng.randint(0, 6) * scale for _ in range(n + 1)]
     stages = []
@@ -81,6 +88,16 @@ def random_chain(
             dataclasses.replace(stage, param_grad_bytes=rng.randint(0, 4) * scale)
             for stage in stages
         ]
+    if in_regions:
+        stages = [
+            dataclasses.replace(
+                stage,
+                options=tuple(
+                    dataclasses.replace(o, in_regions=rng.random() < 0.7) for o in stage.options
+                ),
+            )
+            for stage in stages
+        ]
     return Chain(tuple(stages))
 
 
@@ -91,7 +108,7 @@ def all_trees(
 
     A region whose only item is a region over the same range is skipped (it
     would nest forever; each extra level only adds a forward pass). Options
-    only at the top level (NOTE [options at the top level]).
+    inside a region only where they allow it (NOTE [options in regions]).
     """
     if s == t:
         yield ()
@@ -99,7 +116,8 @@ def all_trees(
     for k in range(s + 1, t + 1):
         heads: list[Item] = []
         if k == s + 1:
-            names = [None, *(o.name for o in chain.stages[s].options)] if top else [None]
+            options = chain.stages[s].options
+            names = [None, *(o.name for o in options if top or o.in_regions)]
             heads += [Keep(s, name) for name in names]
         if not (not_one_region and k == t):
             inners = all_trees(chain, s, k, not_one_region=True, top=False)
@@ -118,21 +136,29 @@ def brute_force(chain: Chain) -> list[tuple[int, float, tuple]]:
 
 
 BRUTE_CASES = [
-    (seed, n, seed % 2 == 0, 2.5 * (seed % 3 == 1), grads)
+    (seed, n, seed % 2 == 0, 2.5 * (seed % 3 == 1), grads, False)
     for grads in (False, True)
     for seed, n in enumerate([1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5])
+] + [  # NOTE [options in regions]
+    (seed, n, True, 2.5 * (seed % 2), seed % 3 == 0, True)
+    for seed, n in enumerate([2, 3, 3, 4, 4, 4, 5, 5], start=20)
 ]
 
 
 @pytest.mark.parametrize(
-    ("seed", "n", "options", "region_s", "grads"),
+    ("seed", "n", "options", "region_s", "grads", "in_regions"),
     BRUTE_CASES,
-    ids=[f"seed{s}-L{n}-opt{o}-region{c}-grads{g}" for s, n, o, c, g in BRUTE_CASES],
+    ids=[
+        f"seed{s}-L{n}-opt{o}-region{c}-grads{g}" + ("-inregions" if r else "")
+        for s, n, o, c, g, r in BRUTE_CASES
+    ],
 )
 def test_optimal_equals_brute_force(
-    seed: int, n: int, options: bool, region_s: float, grads: bool
+    seed: int, n: int, options: bool, region_s: float, grads: bool, in_regions: bool
 ) -> None:
-    chain = random_chain(random.Random(seed), n, options=options, grads=grads)
+    chain = random_chain(
+        random.Random(seed), n, options=options, grads=grads, in_regions=in_regions
+    )
     chain = dataclasses.replace(chain, region_overhead_s=region_s)
     results = brute_force(chain)
     for peak, time_s, items in results:
@@ -434,6 +460,38 @@ def test_options_only_at_the_top_level() -> None:
             assert d.option is None or d.depth == 0
             seen_option |= d.option is not None
     assert seen_option  # the options are chosen somewhere, at the top level
+
+
+def test_options_in_regions_lower_the_least_memory() -> None:
+    # NOTE [options in regions]: an option that keeps nothing in the first forward
+    # may run in a region's re-run, where it holds its smaller history; the
+    # least-memory schedule then uses it there, and its figures are exact.
+    def chain_of(in_regions: bool) -> Chain:
+        light = StageOption("regen", saved_bytes=4, recompute_s=0.25, in_regions=in_regions)
+        return Chain(
+            tuple(Stage(f"s{i}", 1.0, 1.0, 2.0, 2, 2, 20, options=(light,)) for i in range(6))
+        )
+
+    top_only, anywhere = chain_of(False), chain_of(True)
+    lowest = min_feasible_bytes(anywhere)
+    assert lowest < min_feasible_bytes(top_only)
+    schedule = solve(anywhere, lowest, unit_bytes=1)
+    deep = [d for d in schedule.stage_decisions() if d.depth > 0 and d.option == "regen"]
+    assert deep and all(d.decision == "forgotten" for d in deep)
+    assert simulate(anywhere, schedule) == (
+        schedule.predicted_peak_bytes,
+        pytest.approx(schedule.predicted_time_s),
+    )
+    assert schedule.predicted_peak_bytes == lowest
+    # The same items on the chain whose option stays at the top level are refused.
+    with pytest.raises(ValueError, match="inside a region"):
+        Schedule.from_items(top_only, schedule.items)
+    # And the brute force agrees on the least memory (a 4-stage prefix: every tree).
+    small = Chain(anywhere.stages[:4])
+    assert min_feasible_bytes(small) == min(p for p, _, _ in brute_force(small))
+    assert min(p for p, _, _ in brute_force(small)) < min(
+        p for p, _, _ in brute_force(Chain(top_only.stages[:4]))
+    )
 
 
 def test_options_are_chosen_when_they_pay() -> None:

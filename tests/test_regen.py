@@ -97,7 +97,7 @@ def test_the_op_runs_again_once_per_unpack_and_a_live_output_is_used_as_is(monke
         y.sum().backward()
 
 
-def test_regenerate_is_no_region_policy_and_refuses_to_run_inside_one():
+def test_regenerate_is_no_region_policy():
     policy = P.regenerate()
     assert policy.regenerate == set(P.REGENERABLE)
     assert str(policy) == (
@@ -108,12 +108,6 @@ def test_regenerate_is_no_region_policy_and_refuses_to_run_inside_one():
     with pytest.raises(TypeError, match="is not a region's policy"):
         forget.checkpoint(F.gelu, x, policy=policy)
 
-    def inside(h):
-        with forget.regenerating(policy):
-            return F.gelu(h)
-
-    with pytest.raises(forget.ForgetError, match="inside a forget region"):
-        forget.forget(inside, x)
     with (
         pytest.raises(TypeError, match=r"regenerating\(\) takes"),
         forget.regenerating(P.save_nothing),
@@ -123,6 +117,77 @@ def test_regenerate_is_no_region_policy_and_refuses_to_run_inside_one():
         P.regenerate("relu")
     with pytest.raises(ValueError, match="does not combine"):
         P.either(policy, P.save_outputs_of("mm"))
+
+
+class _Body(nn.Module):
+    """A region's body: GELU MLP, a norm, then an outer product whose backward is the peak."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.norm = nn.BatchNorm1d(16) if norm == "batch" else nn.Identity()
+        self.regen: P.Policy | None = None
+        self.runs: list[bool] = []
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.runs.append(forget.in_recomputing())
+        with forget.regenerating(self.regen) if self.regen else contextlib.nullcontext():
+            v = self.norm(self.fc2(F.gelu(self.fc1(h))))
+            return (v.unsqueeze(-1) * v.unsqueeze(-2)).sum(-1)
+
+
+@pytest.mark.parametrize("norm", ["none", "batch"])  # batch: the re-run has a dispatch mode
+def test_regenerating_inside_a_region_drops_what_its_rerun_would_hold(norm):
+    # NOTE [regenerate in a re-run]: the first forward keeps nothing anyway; the
+    # re-run holds the GELU output no longer, and gradients stay bitwise.
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(1))
+
+    def step(body: _Body, region: bool) -> tuple[int, list[torch.Tensor]]:
+        body.zero_grad(set_to_none=True)
+        body.runs.clear()
+        h = x.clone().requires_grad_()
+
+        def run() -> None:
+            y = forget.forget(body, h) if region else body(h)
+            y.square().sum().backward()
+
+        peak = forget.measure(run).peak_bytes
+        return peak, [h.grad, *(p.grad for p in body.parameters())]
+
+    body = _Body(norm)
+    plain = step(body, False)
+    forgotten = step(body, True)
+    body.regen = P.regenerate()
+    ours = step(body, True)
+    assert body.runs == [False, True]  # one forward, one re-run
+    for a, b in zip(plain[1], ours[1], strict=True):
+        assert torch.equal(a, b)
+    # The peak is the outer product's backward, after the re-run: the GELU
+    # output (64 floats a row) is what the re-run no longer holds then.
+    assert forgotten[0] - ours[0] == 256 * 64 * 4
+
+
+def test_a_regions_outputs_are_left_to_the_region():
+    # NOTE [region outputs]: a LayerNorm ending a region saved slots, not tensors;
+    # checking its output for a rebuild would re-run the region in the forward.
+    torch.manual_seed(0)
+    ln, fc = nn.LayerNorm(16), nn.Linear(16, 16)
+    runs: list[bool] = []
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        runs.append(forget.in_recomputing())
+        return ln(h * 2)
+
+    x = torch.randn(8, 16, requires_grad=True)
+    y = forget.forget(region, x)
+    with forget.regenerating(P.regenerate()):
+        z = fc(y)
+    assert runs == [False]  # nothing re-ran in the forward
+    z.square().sum().backward()
+    assert runs == [False, True]
+    expected = torch.autograd.grad(fc(ln(x * 2)).square().sum(), x)[0]
+    assert torch.equal(x.grad, expected)
 
 
 def test_a_plan_may_keep_mlp_halves_with_their_gelu_regenerated(tmp_path):

@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 from ._errors import ForgetError, RecomputationMismatchError
 from ._offload import Offloaded, offload, warn_cpu_once
+from ._regen import REGION_OUTPUT, rerun_pack, resolve
 from ._state import AutocastState, RNGState, devices_of, recomputing
 from ._stateful import (
     StateTracker,
@@ -150,7 +151,7 @@ def _unpack(slot: Any) -> Any:
         # NOTE [double backward]: under create_graph even kept tensors are rebuilt, so
         # second derivatives flow through them.
         return slot.region.unpack(slot.index)
-    return slot
+    return resolve(slot)  # a nested region's input that a re-run regenerated
 
 
 def _meta(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
@@ -292,6 +293,7 @@ class Region:
             _packers.stack.pop()
             _packers.trackers.pop()
             self._tracker = None
+        _mark_outputs(out)
         if tracker.used_rng:
             # Also when every draw is kept: under create_graph the re-run draws again.
             self._rng = rng
@@ -315,7 +317,7 @@ class Region:
         """Return the tensor saved at ``index``, recomputing the region if needed."""
         if index not in self._rebuilt:
             self._recompute()
-        return self._rebuilt.pop(index)
+        return resolve(self._rebuilt.pop(index))  # NOTE [regenerate in a re-run]
 
     def _recompute(self) -> None:
         keep_graph = torch.is_grad_enabled()
@@ -382,7 +384,7 @@ class Region:
             # What the re-run's own graph keeps: a detached alias. The tensor itself
             # would, for an op's output, make a cycle through its grad_fn that the
             # garbage collector cannot see (it runs through C++), leaking the region.
-            alias = detached(t)  # NOTE [hidden aliases]
+            alias: Any = detached(t)  # NOTE [hidden aliases]
             if index in needed:
                 if keep_graph:
                     region._rebuilt[index] = t
@@ -392,6 +394,12 @@ class Region:
                     # with it, may hold the same alias.
                     if t.requires_grad:
                         alias.requires_grad_()
+                    regenerate = rerun_pack(collect)  # NOTE [regenerate in a re-run]
+                    if regenerate is not None:
+                        with hidden():
+                            packed = regenerate(t)
+                        if packed is not t:
+                            alias = packed  # the re-run's graph holds it too, not t
                     region._rebuilt[index] = alias
                 needed.discard(index)
                 if not needed:
@@ -430,7 +438,7 @@ class Region:
                 generators,
                 self._autocast.replayed(),
                 extra,
-                torch.autograd.graph.saved_tensors_hooks(collect, _identity),
+                torch.autograd.graph.saved_tensors_hooks(collect, resolve),
                 tracker if tracker is not None else _null(),
             ):
                 self.func(*args, **kwargs)
@@ -466,6 +474,20 @@ class Region:
                     "gradients. Clone the tensor before modifying it, or modify it after "
                     "backward."
                 )
+
+
+def _mark_outputs(out: Any) -> None:
+    """Mark the nodes of a region's outputs (and of their bases) as the region's.
+
+    NOTE [region outputs] in ``_regen``: those nodes saved slots, which
+    `regenerating` must not read.
+    """
+    for o in pytree.tree_leaves(out):
+        if isinstance(o, torch.Tensor):
+            for u in (o, o._base):
+                if u is not None and u.grad_fn is not None:
+                    metadata: dict[str, Any] = u.grad_fn.metadata  # type: ignore[assignment]
+                    metadata[REGION_OUTPUT] = True
 
 
 def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:

@@ -607,6 +607,9 @@ def _profile_stage(
                 saved_bytes=opt_saved,
                 recompute_s=extra_s,
                 backward_overhead_bytes=max(0, opt_bwd_over - bwd_over),
+                # NOTE [options in regions]: regenerate keeps nothing a plain forward
+                # would not, so it may run in a region's re-run; a policy region may not.
+                in_regions=bool(policy.regenerate),
             )
         )
     clear()
@@ -968,7 +971,8 @@ class Plan:
                     "stage": stage.name,
                     "decision": d.decision,
                     "depth": d.depth,
-                    "saved_bytes": 0 if d.depth > 0 and option is None else saved,
+                    # A forgotten stage keeps nothing in the forward, under an option or not.
+                    "saved_bytes": 0 if d.depth > 0 else saved,
                     "recompute_s": recompute,
                 }
             )
@@ -1314,9 +1318,10 @@ class _Planner:
         """``schedule`` with a region that ends the chain unwrapped, if that fits.
 
         NOTE [the last segment]. Unwraps repeatedly (a nested region may end the
-        chain again; stages inside a region carry no option, so the result is
-        a valid schedule), and keeps the last stage whole rather than under an
-        option, whose re-run of the stage's parts comes as backward starts too.
+        chain again; an option a stage runs inside a region may run at the top
+        level too, so the result is a valid schedule), and keeps the last stage
+        whole rather than under an option, whose re-run of the stage's parts
+        comes as backward starts too.
         """
         items = schedule.items
         while isinstance(items[-1], P.Region):  # a region is never empty

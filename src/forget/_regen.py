@@ -20,10 +20,25 @@ LayerNorm's output (NOTE [regenerate a layer norm]), products (NOTE
 [regenerate a product]) and CPU dropout's float masks (NOTE [two-valued
 masks]) are rebuilt the same way, from what autograd keeps anyway.
 
-It works outside forget regions only: inside one, the region's own hooks save
-nothing anyway, and these hooks, entered there, would keep what the region
-means to forget. A tensor still alive at unpack is returned as it is, after
-the version check autograd would make.
+Outside forget regions it installs saved-tensor hooks. Inside one (NOTE
+[regenerate in a re-run]) it installs nothing: the region's first forward
+keeps nothing anyway, and its re-run, which keeps what backward needs, drops
+the listed outputs instead of keeping them. A tensor still alive at unpack is
+returned as it is, after the version check autograd would make.
+
+NOTE [regenerate in a re-run]: `regenerating` entered while a region runs
+records its pack function against the innermost region's own pack (a
+thread-local stack). The region's first forward ignores it; the re-run's
+``collect`` (``_core``) asks `rerun_pack` whether a regenerating() was
+entered directly under it and, if so, stores the `_Regenerated` it returns
+instead of the tensor, and gives the re-run's graph the same small object,
+so that nothing holds the tensor once the re-run's op has consumed it. The
+rules' checks at pack time run unseen by the re-run's dispatch mode (they are
+not the region's ops). The rebuild closures read the re-run graph's nodes,
+which keep only tensors the region holds anyway until those nodes' own
+backward, which comes later. A region nested in the regenerating() block
+is not covered: its stages are regenerated only by a regenerating() entered
+inside its own body, as at the top level.
 """
 
 from __future__ import annotations
@@ -52,6 +67,21 @@ def _silu(node: Any, out: torch.Tensor) -> Rebuild | None:
     return lambda: torch.ops.aten.silu(node._saved_self)
 
 
+# NOTE [region outputs]: the key a forget region sets in the metadata of its
+# outputs' nodes (``_core``). Such a node saved forget slots, not tensors:
+# reading one (a rule's check, or a rebuild) would re-run the region at that
+# moment, in the forward or ahead of its own backward, and hold what the re-run
+# rebuilds until then (on the residual MLP, a plan keeping a stage under
+# ``regenerate`` after a region ending in a LayerNorm peaked 2.6 MB higher).
+# The rules leave their outputs alone.
+REGION_OUTPUT = "forget.region_output"
+
+
+def _in_region(node: Any) -> bool:
+    """Whether ``node`` was recorded inside a forget region (its saved tensors are slots)."""
+    return REGION_OUTPUT in node.metadata
+
+
 def _operand(node: Any, i: int, saved: str) -> Callable[[], torch.Tensor] | None:
     """How to get operand ``i`` of a binary op back in backward, or None.
 
@@ -65,7 +95,12 @@ def _operand(node: Any, i: int, saved: str) -> Callable[[], torch.Tensor] | None
     if other is not None:
         return lambda: getattr(node, saved)
     producer, output = node.next_functions[i]
-    if producer is not None and output == 0 and hasattr(producer, "_saved_result"):
+    if (
+        producer is not None
+        and output == 0
+        and hasattr(producer, "_saved_result")
+        and not _in_region(producer)
+    ):
         return lambda: producer._saved_result
     return None
 
@@ -227,31 +262,49 @@ def _unpack(saved: Any) -> Any:
     return saved.get() if isinstance(saved, _Regenerated) else saved
 
 
+resolve = _unpack  # what ``_core`` calls on a value a re-run stored
+
+
+class _InRegions(threading.local):
+    stack: list[tuple[object, Callable[[torch.Tensor], Any]]]
+
+    def __init__(self) -> None:
+        self.stack = []
+
+
+# NOTE [regenerate in a re-run]: (the region pack it was entered under, its pack).
+_in_regions = _InRegions()
+
+
+def rerun_pack(owner: object) -> Callable[[torch.Tensor], Any] | None:
+    """The pack of a `regenerating` entered directly under the region pack ``owner``, or None."""
+    stack = _in_regions.stack
+    if stack and stack[-1][0] is owner:
+        return stack[-1][1]
+    return None
+
+
 @contextlib.contextmanager
 def regenerating(policy: Policy) -> Iterator[None]:
     """Run autograd with the outputs of ``policy.regenerate`` ops rebuilt in backward.
 
     NOTE [regenerate]. Gradients are bitwise those of the plain run; what the
     listed ops' outputs would hold while saved is spared, for one run of
-    each op per unpack in backward.
+    each op per unpack in backward. Inside a forget region's function it
+    applies to the region's re-run (NOTE [regenerate in a re-run]): the
+    re-run holds, until backward reaches them, only what it cannot rebuild.
 
     Args:
         policy: a `forget.policies.regenerate` policy.
 
     Raises:
         TypeError: ``policy`` regenerates nothing.
-        ForgetError: entered inside a forget region's forward.
     """
     from ._core import _packers
 
     if not isinstance(policy, Policy) or not policy.regenerate:
         raise TypeError(
             f"forget: regenerating() takes a forget.policies.regenerate(...) policy, got {policy!r}"
-        )
-    if _packers.stack:
-        raise ForgetError(
-            "forget: regenerating() inside a forget region: the region saves nothing for "
-            "backward already; use it around plain (kept) code."
         )
     rules = {name: rule for name, (op, rule) in _RULES.items() if op in policy.regenerate}
     masks = _MASKS in policy.regenerate
@@ -263,8 +316,18 @@ def regenerating(policy: Policy) -> Iterator[None]:
             rebuild = _two_valued(t) if masks else None
             return t if rebuild is None else _Regenerated(t, rebuild, False)
         rule = rules.get(type(node).__name__)
-        rebuild = None if rule is None else rule(node, base)
+        if rule is None or _in_region(node):  # NOTE [region outputs]
+            return t
+        rebuild = rule(node, base)
         return t if rebuild is None else _Regenerated(t, rebuild, base is not t)
 
+    if _packers.stack:  # NOTE [regenerate in a re-run]
+        entry = (_packers.stack[-1], pack)
+        _in_regions.stack.append(entry)
+        try:
+            yield
+        finally:
+            _in_regions.stack.remove(entry)
+        return
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         yield

@@ -59,17 +59,28 @@ class StageOption:
     temporary ``backward_overhead_bytes`` on top of the stage's own backward
     overhead.
 
+    NOTE [options in regions]: an option whose forward keeps nothing that a
+    plain forward would not (``regenerate``: it only drops saved tensors, and
+    rebuilds them in backward) may also run for a stage kept inside a
+    forgotten region. There the region's first forward keeps nothing anyway,
+    and its re-run keeps ``saved_bytes`` for the stage instead of
+    `Stage.saved_bytes`, at the same extra time. Such an option says so with
+    ``in_regions``; the planners place the others at the top level only.
+
     Attributes:
         name: a label, unique within its stage (not ``"kept"`` or ``"forgotten"``).
         saved_bytes: history kept for backward, in place of `Stage.saved_bytes`.
         recompute_s: extra step time of the option over keeping the stage whole.
         backward_overhead_bytes: extra temporary bytes while rebuilding in backward.
+        in_regions: the option may run for a stage kept inside a forgotten
+            region, in the region's re-run; ``False`` by default.
     """
 
     name: str
     saved_bytes: int
     recompute_s: float
     backward_overhead_bytes: int = 0
+    in_regions: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -90,6 +101,11 @@ class StageOption:
         object.__setattr__(
             self, "recompute_s", _check_seconds(owner, "recompute_s", self.recompute_s)
         )
+        if not isinstance(self.in_regions, bool):
+            raise TypeError(
+                f"forget: {owner}.in_regions must be a bool, got "
+                f"{type(self.in_regions).__name__} {self.in_regions!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,20 @@ to back-propagate range ``[s, t)`` within memory ``m``, either keep stage
 ``h_s``, then ``B(s)``), or forget ``[s, k)`` (``F_ck(s)``, ``F_n`` up to
 ``k-1``, solve ``[k, t)`` with ``m`` minus ``x_s``, then re-run and solve
 ``[s, k)`` with ``m``). A stage with `StageOption` values offers each option
-as one more kind of keep, at the top level only. The top level differs
-otherwise only in that ``x_L`` and ``δ_L`` are not alive before the forward
-reaches them.
+as one more kind of keep: at the top level, and inside a region where the
+option allows it (NOTE [options in regions] in `._chain`). The top level
+differs otherwise only in that ``x_L`` and ``δ_L`` are not alive before the
+forward reaches them.
 
-NOTE [options at the top level]: an option is a policy region: its forward
-keeps the policy's outputs until its backward. Inside a forgotten region the
-stage's first forward must keep nothing (``F_n``) and only the region's re-run
-may keep (``F_all``); a policy region run there keeps its outputs from the
-first forward on, which the model cannot see (measured on the reference CNN:
-a least-memory schedule with options inside regions peaked at 15.7 MB against
-the 12.8 MB predicted). So inside a region a stage is kept whole, and
-`Schedule` rejects an option there.
+NOTE [options at the top level]: an option that is a policy region keeps the
+policy's outputs from its forward until its backward. Inside a forgotten
+region the stage's first forward must keep nothing (``F_n``) and only the
+region's re-run may keep (``F_all``); a policy region run there keeps its
+outputs from the first forward on, which the model cannot see (measured on
+the reference CNN: a least-memory schedule with options inside regions peaked
+at 15.7 MB against the 12.8 MB predicted). So inside a region a stage is kept
+whole or under an option with ``in_regions`` (``regenerate``, which keeps
+nothing in the first forward), and `Schedule` rejects any other option there.
 
 Memory is discretized into units of ``unit_bytes`` and every size is rounded
 *up* to whole units, so a schedule that fits the discretized budget fits the
@@ -74,6 +76,7 @@ class _Variant:
     saved_bytes: int
     time_s: float
     backward_overhead_bytes: int
+    in_regions: bool
 
 
 def _variants(chain: Chain) -> list[list[_Variant]]:
@@ -85,6 +88,7 @@ def _variants(chain: Chain) -> list[list[_Variant]]:
                 stage.saved_bytes,
                 stage.forward_s + stage.backward_s,
                 stage.backward_overhead_bytes,
+                True,
             )
         ]
         for option in stage.options:
@@ -94,6 +98,7 @@ def _variants(chain: Chain) -> list[list[_Variant]]:
                     option.saved_bytes,
                     stage.forward_s + stage.backward_s + option.recompute_s,
                     stage.backward_overhead_bytes + option.backward_overhead_bytes,
+                    option.in_regions,
                 )
             )
         out.append(row)
@@ -177,6 +182,7 @@ class _Tables:
         self.gs = [up(s.param_grad_bytes) for s in chain.stages]
         self.pg = pg = np.concatenate(([0], np.cumsum(self.gs, dtype=np.int64)))
         self.variants = _variants(chain)
+        self.in_regions = [[v.in_regions for v in row] for row in self.variants]
         self.rv = [
             [(up(v.saved_bytes), v.time_s, up(v.backward_overhead_bytes)) for v in row]
             for row in self.variants
@@ -240,7 +246,7 @@ class _Tables:
         ms = self.m_index[lo:hi]
         keeps = np.full((len(self.rv[s]), hi - lo), np.inf)
         for v, (h, time_s, bo) in enumerate(self.rv[s]):
-            if v and not top:  # NOTE [options at the top level]: inside a region, keep whole
+            if not top and not self.in_regions[s][v]:  # NOTE [options at the top level]
                 continue
             if s + 1 == end:
                 tail = a[s] + a[end] + h if top else a[s] + 2 * a[end] + h
@@ -423,9 +429,9 @@ def min_peak_items(chain: Chain) -> tuple[int, tuple[Item, ...]]:
             t = s + length
             peaks: list[int] = []
             times: list[float] = []
-            for i, v in enumerate(variants[s]):
+            for v in variants[s]:
                 h, bo = v.saved_bytes, v.backward_overhead_bytes
-                if i:  # NOTE [options at the top level]: never chosen inside a region
+                if not v.in_regions:  # NOTE [options at the top level]
                     peaks.append(_NEVER)
                     times.append(math.inf)
                     continue

@@ -579,9 +579,12 @@ def evaluate(chain: Chain, items: Sequence[Item]) -> tuple[int, float]:
         if keep.stage_index >= n:
             raise ValueError(f"forget: stage {keep.stage_index} is outside the {n}-stage chain")
         if keep.option is not None and depth:
-            raise ValueError(
-                f"forget: stage {keep.stage_index} runs option {keep.option!r} inside a "
-                "region; options apply to stages kept at the top level only "
-                "(NOTE [options at the top level])"
-            )
+            option = chain.stages[keep.stage_index].option(keep.option)
+            if option is not None and not option.in_regions:
+                raise ValueError(
+                    f"forget: stage {keep.stage_index} runs option {keep.option!r} inside a "
+                    "region; this option applies to stages kept at the top level only "
+                    "(NOTE [options at the top level]; an option with in_regions=True may "
+                    "run inside one)"
+                )
     return top(items)
