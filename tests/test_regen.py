@@ -12,8 +12,9 @@ from torch import nn
 
 import forget
 from forget import policies as P
-from forget._planning import _Planner
+from forget._planning import _Items, _Planner
 from forget.models import build_model
+from forget.plan import Keep, Region, Schedule
 
 
 class _MLP(nn.Module):
@@ -218,6 +219,35 @@ def test_a_plan_may_keep_mlp_halves_with_their_gelu_regenerated(tmp_path):
     assert forget.measure(loaded.apply(copy.deepcopy(model)).step, x, target).peak_bytes == (
         plan.measured_peak_bytes
     )
+
+
+def test_a_plan_may_regenerate_inside_its_regions():
+    # NOTE [options in regions]: the profile marks regenerate options as fit for
+    # a region's re-run, policy regions not; such a schedule gives the plain
+    # gradients bitwise and measures lower than the same regions kept whole.
+    model = build_model("tiny_gpt", "tiny")
+    x, target = model.example_input(generator=torch.Generator().manual_seed(0))
+    options = {"regen": P.regenerate(), "sel": P.save_outputs_of("mm")}
+    planner = _Planner(model, (x, target), options=options, repeats=1, split=True)
+    chain, n = planner.chain, len(planner.chain)
+    assert all([o.in_regions for o in s.options] == [True, False] for s in chain.stages)
+
+    def items(option: str | None) -> tuple[Keep | Region, ...]:
+        region = Region(tuple(Keep(i, option) for i in range(n - 1)))
+        return (region, Keep(n - 1))
+
+    with pytest.raises(ValueError, match="inside a region"):
+        Schedule.from_items(chain, items("sel"))
+    whole, regen = (Schedule.from_items(chain, items(o)) for o in (None, "regen"))
+    assert regen.predicted_peak_bytes < whole.predicted_peak_bytes
+    assert planner.trials.peak(regen) < planner.trials.peak(whole)
+    grads = []
+    for runner in (None, _Items(regen.items, planner.target.blocks, planner.policies)):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        planner.target.step(runner)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def _attention(qkv: torch.Tensor) -> torch.Tensor:
