@@ -169,6 +169,46 @@ def test_regenerating_inside_a_region_drops_what_its_rerun_would_hold(norm):
     assert forgotten[0] - ours[0] == 256 * 64 * 4
 
 
+@pytest.mark.parametrize("how", ["double backward", "policy region", "nested region"])
+def test_regenerating_inside_a_region_stays_exact(how):
+    # NOTE [regenerate in a re-run]: under create_graph the re-run keeps its
+    # tensors (they carry history); a policy region replays its kept outputs and
+    # regenerates the rest; a region nested in the body keeps to itself.
+    body = _Body("none")
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(2))
+
+    def grads(region: bool) -> list[torch.Tensor]:
+        body.zero_grad(set_to_none=True)
+        h = x.clone().requires_grad_()
+        if not region:
+            y = body(h)
+        elif how == "policy region":
+            y = forget.checkpoint(body, h, policy=P.save_outputs_of("addmm"))
+        elif how == "nested region":
+            y = forget.forget(lambda t: forget.forget(body, t * 2) / 2, h)
+        else:
+            y = forget.forget(body, h)
+        if region and how == "nested region":
+            y = y * 2
+        elif how == "nested region":
+            y = body(h * 2)
+        params = [h, *body.parameters()]
+        first = torch.autograd.grad(y.square().sum(), params, create_graph=how == "double backward")
+        if how != "double backward":
+            return list(first)
+        return list(torch.autograd.grad(sum(g.square().sum() for g in first), params))
+
+    plain = grads(False)
+    body.regen, body.runs = None, []
+    grads(True)
+    without = body.runs  # the re-runs the region makes without regenerating
+    body.regen, body.runs = P.regenerate(), []
+    ours = grads(True)
+    for a, b in zip(plain, ours, strict=True):
+        assert torch.equal(a, b)
+    assert body.runs == without and True in without
+
+
 def test_a_regions_outputs_are_left_to_the_region():
     # NOTE [region outputs]: a LayerNorm ending a region saved slots, not tensors;
     # checking its output for a rebuild would re-run the region in the forward.
