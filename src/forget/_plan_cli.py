@@ -519,8 +519,8 @@ def _parser() -> argparse.ArgumentParser:
             "a partial keep the planner may choose per stage: keep the outputs of OPS, "
             f"+-joined groups ({', '.join(_GROUPS)}) or aten ops, e.g. "
             "sel=LINEAR+CONV+ATTENTION+DROPOUT; or NAME=REGENERATE: keep the stage and "
-            "rebuild its GELU/SiLU/LayerNorm outputs and dropout products and masks in backward "
-            "(repeatable)"
+            "rebuild its GELU/SiLU/LayerNorm outputs and dropout products and masks in backward, "
+            "at the top level or in a region's re-run (repeatable)"
         ),
     )
     p.add_argument(
