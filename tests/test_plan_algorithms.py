@@ -233,7 +233,13 @@ def test_coarse_units_fit_and_match_simulator(seed: int) -> None:
 def chains(draw: st.DrawFn) -> Chain:
     n = draw(st.integers(1, 8))
     rng = random.Random(draw(st.integers(0, 10**6)))
-    return random_chain(rng, n, options=draw(st.booleans()), grads=draw(st.booleans()))
+    return random_chain(
+        rng,
+        n,
+        options=draw(st.booleans()),
+        grads=draw(st.booleans()),
+        in_regions=draw(st.booleans()),  # NOTE [options in regions]
+    )
 
 
 @PROFILE
