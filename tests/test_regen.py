@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -288,6 +289,13 @@ def test_a_plan_may_regenerate_inside_its_regions():
         planner.target.step(runner)
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    # A plan's table says which forgotten stages regenerate in their re-run.
+    plan = dataclasses.replace(planner.plan(planner.plain_peak), schedule=regen)
+    rows = plan.rows()
+    assert [(r["decision"], r["option"], r["saved_bytes"]) for r in rows[:-1]] == [
+        ("forgotten", "regen", 0)
+    ] * (n - 1)
+    assert str(plan).count("forgotten[regen]") == n - 1
 
 
 def _attention(qkv: torch.Tensor) -> torch.Tensor:

@@ -959,7 +959,7 @@ class Plan:
         )
 
     def rows(self) -> list[dict[str, Any]]:
-        """Per stage: name, decision, depth, saved bytes and expected recompute time."""
+        """Per stage: name, decision, option, depth, saved bytes and expected recompute time."""
         rows = []
         for d in self.schedule.stage_decisions():
             stage = self.chain.stages[d.stage_index]
@@ -970,6 +970,7 @@ class Plan:
                 {
                     "stage": stage.name,
                     "decision": d.decision,
+                    "option": d.option,
                     "depth": d.depth,
                     # A forgotten stage keeps nothing in the forward, under an option or not.
                     "saved_bytes": 0 if d.depth > 0 else saved,
@@ -985,8 +986,11 @@ class Plan:
             f"  {'stage':<14} {'decision':<10} {'depth':>5} {'kept bytes':>14} {'recompute':>11}",
         ]
         for row in self.rows():
+            decision = row["decision"]
+            if row["depth"] and row["option"] is not None:
+                decision += f"[{row['option']}]"  # NOTE [options in regions]: in its re-run
             lines.append(
-                f"  {row['stage']:<14} {row['decision']:<10} {row['depth']:>5} "
+                f"  {row['stage']:<14} {decision:<10} {row['depth']:>5} "
                 f"{row['saved_bytes']:>14,} {row['recompute_s'] * 1e3:>9.3f}ms"
             )
         lines += [
