@@ -560,10 +560,6 @@ class _null:
         return None
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
 def _name(func: Any) -> str:
     name = getattr(func, "__qualname__", None) or type(func).__name__
     return f"'{name}'"

@@ -113,9 +113,9 @@ import torch
 from torch import Tensor, nn
 
 from . import plan as P
-from ._core import _identity, run_region
+from ._core import run_region
 from ._errors import BudgetInfeasibleError
-from ._measure import frozen_heap, measure
+from ._measure import _identity, frozen_heap, measure
 from ._regen import regenerating
 from ._stateful import _storage_key
 from .plan._baselines import forget_each_items, on_sub_stages, uniform_items

@@ -258,11 +258,13 @@ class _Regenerated:
         return out
 
 
-def _unpack(saved: Any) -> Any:
+def resolve(saved: Any) -> Any:
+    """What a saved value stands for: a `_Regenerated` rebuilt, anything else as it is.
+
+    The unpack of `regenerating`'s hooks, and what ``_core`` calls on a value a
+    re-run stored (NOTE [regenerate in a re-run]).
+    """
     return saved.get() if isinstance(saved, _Regenerated) else saved
-
-
-resolve = _unpack  # what ``_core`` calls on a value a re-run stored
 
 
 class _InRegions(threading.local):
@@ -329,5 +331,5 @@ def regenerating(policy: Policy) -> Iterator[None]:
         finally:
             _in_regions.stack.remove(entry)
         return
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, resolve):
         yield

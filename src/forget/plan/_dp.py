@@ -182,7 +182,6 @@ class _Tables:
         self.gs = [up(s.param_grad_bytes) for s in chain.stages]
         self.pg = pg = np.concatenate(([0], np.cumsum(self.gs, dtype=np.int64)))
         self.variants = _variants(chain)
-        self.in_regions = [[v.in_regions for v in row] for row in self.variants]
         self.rv = [
             [(up(v.saved_bytes), v.time_s, up(v.backward_overhead_bytes)) for v in row]
             for row in self.variants
@@ -246,7 +245,7 @@ class _Tables:
         ms = self.m_index[lo:hi]
         keeps = np.full((len(self.rv[s]), hi - lo), np.inf)
         for v, (h, time_s, bo) in enumerate(self.rv[s]):
-            if not top and not self.in_regions[s][v]:  # NOTE [options at the top level]
+            if not top and not self.variants[s][v].in_regions:  # NOTE [options at the top level]
                 continue
             if s + 1 == end:
                 tail = a[s] + a[end] + h if top else a[s] + 2 * a[end] + h
