@@ -185,7 +185,7 @@ def test_cli_routes_bench(capsys):
 
 def test_selective_rows_at_another_shape(capsys):
     # python -m forget._bench_selective --width ...: the rows for a shape of one's own.
-    from forget import _bench_selective
+    from forget.cli import _bench_selective
 
     assert _bench_selective.main(["--size", "tiny", "--repeats", "1", "--width", "32"]) == 0
     out = capsys.readouterr().out
@@ -195,7 +195,7 @@ def test_selective_rows_at_another_shape(capsys):
 def test_selective_default_shape_keeps_attention_tensors_on_the_heap():
     # At 32 MiB a T x T tensor is past glibc's heap ceiling: each allocation is a fresh
     # mapping whose page faults slow plain the most (the shape's comment in the module).
-    from forget import _bench_selective
+    from forget.cli import _bench_selective
     from forget.models import model_settings
 
     shape = {**model_settings("tiny_gpt", "default"), **_bench_selective.OVERRIDES["default"]}

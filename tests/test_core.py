@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
 from forget import ForgetError, RecomputationMismatchError
-from forget._core import ordinal
+from forget.engine import ordinal
 
 
 class Counted:
@@ -292,7 +292,7 @@ def test_global_rng_stream_is_unchanged_by_recomputation():
 
 def test_region_without_random_ops_keeps_no_rng_state():
     x = torch.randn(4, requires_grad=True)
-    from forget._core import Region
+    from forget.engine import Region
 
     r = Region(lambda a: a.exp(), (x,), {})
     r.run_forward()
@@ -450,16 +450,16 @@ def test_buffers_restored_after_recomputation_bitwise():
 def test_re_run_watches_ops_only_where_the_forward_needed_it(monkeypatch, make, tracked):
     # NOTE [plain re-run]: no policy, no outside state written, no region inside: the
     # re-run needs no dispatch mode. Gradients are the plain run's either way.
-    from forget import _core
+    from forget.engine import _region
 
     made: list[bool] = []
 
-    class Counting(_core.StateTracker):
+    class Counting(_region.StateTracker):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(bool(kwargs.get("recomputing")))
 
-    monkeypatch.setattr(_core, "StateTracker", Counting)
+    monkeypatch.setattr(_region, "StateTracker", Counting)
     torch.manual_seed(0)
     f = make()
     g = copy.deepcopy(f)

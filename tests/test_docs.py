@@ -28,7 +28,12 @@ MODULES = _modules_with_examples()
 
 
 def test_examples_are_found():
-    assert {"forget._core", "forget.nn", "forget._planning", "forget.plan"} <= set(MODULES)
+    assert {
+        "forget.engine._region",
+        "forget.nn",
+        "forget.planning._planner",
+        "forget.schedules",
+    } <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

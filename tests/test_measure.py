@@ -12,8 +12,16 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
-from forget import _measure
-from forget._measure import MemoryReport, SavedReport, measure, region, saved
+from forget.memory import (
+    MemoryReport,
+    SavedReport,
+    _ledger,
+    _measure,
+    _saved,
+    measure,
+    region,
+    saved,
+)
 
 F32 = 4  # bytes per float32 element
 
@@ -523,7 +531,7 @@ def test_an_error_in_the_call_propagates_and_leaves_nothing_active():
 
     with pytest.raises(KeyError):
         measure(f)
-    assert not _measure._active.ledgers
+    assert not _ledger._active.ledgers
     assert torch._C._len_torch_dispatch_stack() == 0
     assert measure(lambda: torch.ones(10)).peak_bytes == 10 * F32
 
@@ -535,9 +543,9 @@ def test_reports_are_frozen():
         report.peak_bytes = 1  # type: ignore[misc]
 
 
-@pytest.mark.skipif(not hasattr(forget, "measure"), reason="forget.measure not exported yet")
-def test_docstring_examples():
-    result = doctest.testmod(_measure, optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("module", [_measure, _saved], ids=["measure", "saved"])
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0
     assert result.failed == 0
 
@@ -545,7 +553,7 @@ def test_docstring_examples():
 _FROZEN_HEAP = """
 import gc
 import torch
-from forget._measure import frozen_heap, measure
+from forget.memory import frozen_heap, measure
 
 class Cycle:
     pass

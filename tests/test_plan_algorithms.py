@@ -1,4 +1,4 @@
-"""Tests of forget.plan: pure planning, no torch (brute force, golden values, boundaries)."""
+"""Tests of forget.schedules: pure planning, no torch (brute force, golden values, boundaries)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import forget.plan
-from forget._errors import BudgetInfeasibleError
-from forget.plan import (
+import forget.schedules
+from forget.errors import BudgetInfeasibleError
+from forget.schedules import (
     ALGORITHMS,
     Chain,
     Keep,
@@ -35,7 +35,7 @@ from forget.plan import (
     simulate,
     solve,
 )
-from forget.plan._schedule import Item
+from forget.schedules._schedule import Item
 
 PROFILE = settings(derandomize=True, deadline=None, max_examples=40)
 
@@ -188,7 +188,7 @@ def test_the_dp_rebuilds_schedules_that_fit_with_parameter_gradients(seed: int) 
     # NOTE [parameter gradients]: a region re-run after the backward of the stages
     # behind it has their gradients' less memory; the DP's own schedule (before
     # `solve` falls back to the least-memory one) must fit, at its predicted time.
-    from forget.plan._dp import optimal_items
+    from forget.schedules._dp import optimal_items
 
     rng = random.Random(seed)
     fitted = 0
@@ -590,20 +590,20 @@ def test_chain_validation() -> None:
 
 
 def test_docstring_examples() -> None:
-    from forget.plan import _revolve, _solve
+    from forget.schedules import _revolve, _solve
 
-    for module in (forget.plan, _solve, _revolve):
+    for module in (forget.schedules, _solve, _revolve):
         result = doctest.testmod(module, extraglobs={"Stage": Stage, "Chain": Chain})
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
 
 def test_import_does_not_pull_torch() -> None:
-    code = "import forget.plan, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import forget.schedules, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_on_sub_stages_maps_block_schedules_onto_finer_stages() -> None:
-    from forget.plan._baselines import on_sub_stages, uniform_items
+    from forget.schedules._baselines import on_sub_stages, uniform_items
 
     sizes = (2, 1, 3)
     assert on_sub_stages(uniform_items(3, 2), sizes) == (

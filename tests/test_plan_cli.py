@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from forget import _plan_cli
+from forget.cli import _plan
 from forget.cli import main as cli_main
 
 HEADER = (
@@ -52,7 +52,7 @@ def test_plan_user_factory_with_input_shape(tmp_path, monkeypatch, capsys):
     )
     monkeypatch.chdir(tmp_path)
     argv = ["--model", "my_models:build", "--input-shape", "128,16", "--budgets", "min"]
-    assert _plan_cli.main([*argv, "--repeats", "1", "--quiet", "--show"]) == 0
+    assert _plan.main([*argv, "--repeats", "1", "--quiet", "--show"]) == 0
     out = capsys.readouterr().out
     assert "my_models:build  min" in out
     assert ": 4 stages, budget" in out
@@ -79,34 +79,34 @@ def test_plan_user_factory_with_input_shape(tmp_path, monkeypatch, capsys):
     ],
 )
 def test_plan_usage_errors(argv, message, capsys):
-    assert _plan_cli.main(argv) == 2
+    assert _plan.main(argv) == 2
     assert message in capsys.readouterr().err
 
 
 def test_set_replaces_a_reference_preset(capsys):
     argv = ["--model", "tiny_gpt", "--size", "tiny", "--set", "depth=3", "--set", "dropout=0.0"]
-    assert _plan_cli.main([*argv, "--budgets", "min", "--repeats", "1", "--quiet", "--show"]) == 0
+    assert _plan.main([*argv, "--budgets", "min", "--repeats", "1", "--quiet", "--show"]) == 0
     assert ": 3 stages, budget" in capsys.readouterr().out  # the preset's depth is 2
 
 
 def test_parse_setting():
-    assert _plan_cli.parse_setting(" context = 512 ") == ("context", 512)
-    assert _plan_cli.parse_setting("dropout=0.0") == ("dropout", 0.0)
-    assert isinstance(_plan_cli.parse_setting("depth=3")[1], int)
+    assert _plan.parse_setting(" context = 512 ") == ("context", 512)
+    assert _plan.parse_setting("dropout=0.0") == ("dropout", 0.0)
+    assert isinstance(_plan.parse_setting("depth=3")[1], int)
 
 
 def test_parse_shape():
-    assert _plan_cli.parse_shape("64,512") == (64, 512)
-    assert _plan_cli.parse_shape("8x3x32x32") == (8, 3, 32, 32)
+    assert _plan.parse_shape("64,512") == (64, 512)
+    assert _plan.parse_shape("8x3x32x32") == (8, 3, 32, 32)
     for bad in ("", "a,b", "0,4", "-1"):
         with pytest.raises(ValueError, match="--input-shape"):
-            _plan_cli.parse_shape(bad)
+            _plan.parse_shape(bad)
 
 
 def test_parse_option_groups_and_ops():
     from forget import policies
 
-    name, policy = _plan_cli.parse_option("sel=linear+ATTENTION+bmm")
+    name, policy = _plan.parse_option("sel=linear+ATTENTION+bmm")
     assert name == "sel"
     want = policies.save_outputs_of(*policies.LINEAR, *policies.ATTENTION, "aten.bmm")
     assert policy.description == want.description
@@ -126,25 +126,25 @@ def test_parse_option_groups_and_ops():
 )
 def test_parse_option_errors(option, message):
     with pytest.raises(ValueError, match=message):
-        _plan_cli.parse_option(option)
+        _plan.parse_option(option)
 
 
 def test_plan_option_reaches_the_planner(monkeypatch, capsys):
     seen = {}
-    real = _plan_cli._Planner
+    real = _plan.Planner
 
     def spy(*args, options=None, **kwargs):
         seen["options"] = options
         return real(*args, options=options, **kwargs)
 
-    monkeypatch.setattr(_plan_cli, "_Planner", spy)
+    monkeypatch.setattr(_plan, "Planner", spy)
     argv = ["--model", "residual_mlp", "--size", "tiny", "--budgets", "min", "--repeats", "1"]
-    assert _plan_cli.main([*argv, "--option", "sel=LINEAR"]) == 0
+    assert _plan.main([*argv, "--option", "sel=LINEAR"]) == 0
     out = capsys.readouterr().out
     assert "option sel: save outputs of aten._addmm_activation, aten.addmm, aten.mm" in out
     assert list(seen["options"]) == ["sel"]
     argv += ["--option", "a=LINEAR", "--option", "a=CONV"]
-    assert _plan_cli.main(argv) == 2
+    assert _plan.main(argv) == 2
     assert "given twice" in capsys.readouterr().err
 
 
@@ -153,14 +153,14 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     # round and its overhead comes from a second round, beside the plan and plain.
     import torch
 
-    from forget._planning import _Planner
+    from forget.planning import Planner
 
     torch.manual_seed(0)
     layer = lambda: torch.nn.Sequential(  # noqa: E731
         torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)
     )
     model = torch.nn.Sequential(*[layer() for _ in range(6)])
-    planner = _Planner(model, (torch.randn(256, 32),), repeats=1)
+    planner = Planner(model, (torch.randn(256, 32),), repeats=1)
     rounds = []
 
     def fake(target, runners, repeats):  # the selection round: k segments take k seconds
@@ -172,16 +172,16 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
         assert repeats == 2
         return {"plan": [0.25, 0.2, 0.3], "uniform": [0.5, 0.5, 0.5]}
 
-    monkeypatch.setattr(_plan_cli, "time_side_by_side", fake)
-    monkeypatch.setattr(_plan_cli, "paired_overheads", final)
+    monkeypatch.setattr(_plan, "time_side_by_side", fake)
+    monkeypatch.setattr(_plan, "paired_overheads", final)
     # The plan: a fitting candidate that is no uniform segmentation.
     uniforms = {planner.uniform(k).items for k in range(1, 7)}
     monkeypatch.setattr(
-        _Planner,
+        Planner,
         "_fastest",
         lambda self, fitting: next((f for f in fitting if f[0].items not in uniforms), fitting[0]),
     )
-    result = _plan_cli._plan_budgets("m", planner, ["90%"], "optimal", 1)
+    result = _plan._plan_budgets("m", planner, ["90%"], "optimal", 1)
     (row,) = result.rows
     assert rounds[-1] == ["plan", "uniform"]
     selection = [int(k) for k in rounds[-2]]
@@ -191,7 +191,7 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     # NOTE [ratio range]: resampled medians of 0.2, 0.25, 0.3 over 0.5.
     assert row.ratio_range == pytest.approx((0.4, 0.6))
     # NOTE [predicted ratio]: the same two schedules in the planner's time model.
-    from forget import plan as P
+    from forget import schedules as P
 
     plain_s = planner.chain.store_all_time_s
     items = P._baselines.uniform_items(6, row.uniform_segments)
@@ -207,26 +207,26 @@ def test_budgets_are_planned_from_the_smallest_up(monkeypatch):
     # schedules; the rows keep the order the budgets were given in.
     import torch
 
-    from forget._planning import _Planner
+    from forget.planning import Planner
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
-    planner = _Planner(model, (torch.randn(64, 32),), repeats=1)
+    planner = Planner(model, (torch.randn(64, 32),), repeats=1)
     planned = []
-    real = _Planner.plan
+    real = Planner.plan
 
     def spy(self, budget, **kwargs):
         planned.append(budget)
         return real(self, budget, **kwargs)
 
-    monkeypatch.setattr(_Planner, "plan", spy)
+    monkeypatch.setattr(Planner, "plan", spy)
     monkeypatch.setattr(
-        _plan_cli, "time_side_by_side", lambda target, runners, repeats: dict.fromkeys(runners, 1.0)
+        _plan, "time_side_by_side", lambda target, runners, repeats: dict.fromkeys(runners, 1.0)
     )
     monkeypatch.setattr(
-        _plan_cli, "paired_overheads", lambda target, runners, repeats: {k: [0.0] for k in runners}
+        _plan, "paired_overheads", lambda target, runners, repeats: {k: [0.0] for k in runners}
     )
-    result = _plan_cli._plan_budgets("m", planner, ["90%", "min", "95%"], "optimal", 1)
+    result = _plan._plan_budgets("m", planner, ["90%", "min", "95%"], "optimal", 1)
     assert [row.label for row in result.rows] == ["90%", "min", "95%"]
     budgets = planned[1:]  # the first call finds the least feasible budget
     assert budgets == sorted(budgets) and len(budgets) == 3
@@ -249,26 +249,26 @@ def test_split_plans_the_blocks_stages_against_uniform_segments_of_whole_blocks(
 def test_ratio_range_resamples_paired_rounds():
     # NOTE [ratio range]: equal rounds give a point; spread rounds a range around
     # the medians' ratio; a uniform overhead at or below zero gives none.
-    assert _plan_cli.ratio_range([0.1] * 4, [0.2] * 4) == pytest.approx((0.5, 0.5))
-    lo, hi = _plan_cli.ratio_range([0.1, 0.2, 0.3, 0.1, 0.2], [0.2, 0.2, 0.3, 0.3, 0.2])
+    assert _plan.ratio_range([0.1] * 4, [0.2] * 4) == pytest.approx((0.5, 0.5))
+    lo, hi = _plan.ratio_range([0.1, 0.2, 0.3, 0.1, 0.2], [0.2, 0.2, 0.3, 0.3, 0.2])
     assert 0 < lo < hi and lo <= 0.2 / 0.2 <= hi
-    assert _plan_cli.ratio_range([0.1, 0.2], [-0.1, -0.2]) is None
+    assert _plan.ratio_range([0.1, 0.2], [-0.1, -0.2]) is None
     with pytest.raises(ValueError, match="same, non-zero number of rounds"):
-        _plan_cli.ratio_range([0.1], [0.1, 0.2])
+        _plan.ratio_range([0.1], [0.1, 0.2])
 
 
 def test_a_plan_measured_below_plain_has_no_ratio(monkeypatch):
-    from forget import plan as P
-    from forget._planning import Plan
+    from forget import schedules as P
+    from forget.planning import Plan
 
     chain = P.Chain(tuple(P.Stage(f"s{i}", 1.0, 0.8, 2.0, 100, 100, 400) for i in range(2)))
     schedule = P.Schedule.from_items(chain, (P.Region((P.Keep(0),)), P.Keep(1)))
     plan = Plan(schedule, chain, 1000, 900, 900, 2000, 500)
     rows = [
-        _plan_cli.BudgetRow("75%", 1000, plan, 500, -0.01, 2, 950, 0.07, 0.5),
-        _plan_cli.BudgetRow("50%", 1000, plan, 500, 0.03, 2, 950, 0.3, 0.5),
+        _plan.BudgetRow("75%", 1000, plan, 500, -0.01, 2, 950, 0.07, 0.5),
+        _plan.BudgetRow("50%", 1000, plan, 500, 0.03, 2, 950, 0.3, 0.5),
     ]
-    result = _plan_cli.ModelResult("m", 2000, 500, rows, planner=None)  # type: ignore[arg-type]
-    lines = _plan_cli.format_table([result]).splitlines()
+    result = _plan.ModelResult("m", 2000, 500, rows, planner=None)  # type: ignore[arg-type]
+    lines = _plan.format_table([result]).splitlines()
     assert "below plain" in lines[2] and "-0.14x" not in lines[2]
     assert "0.10x" in lines[3]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import statistics
 import subprocess
@@ -14,12 +15,12 @@ import torch
 from torch import nn
 
 import forget
-from forget import BudgetInfeasibleError
-from forget import _planning as planning
-from forget import plan as P
+from forget import BudgetInfeasibleError, planning
 from forget import policies as policies_
-from forget._planning import Plan, PlannedSequential, _Planner
+from forget import schedules as P
+from forget.engine import InTurn
 from forget.models import build_model
+from forget.planning import Plan, PlannedSequential, Planner, _profile, _targets, _timing
 
 # Reference models at sizes where activations, not parameters, dominate the peak.
 SIZES = {
@@ -62,7 +63,7 @@ def _peak(model, x, target) -> int:
 def planned(request):
     name = request.param
     model, x, target = _model(name)
-    return name, model, x, target, _Planner(model, (x, target), repeats=1)
+    return name, model, x, target, Planner(model, (x, target), repeats=1)
 
 
 def test_measured_peak_fits_every_budget_and_gradients_match(planned):
@@ -152,7 +153,7 @@ def test_the_measured_fastest_displaces_the_predicted_only_when_consistently_fas
     # fastest (index 0) by a median 0.5 s a round. Winning three rounds of five is not
     # enough to displace it; four is.
     model, x, target = _model("residual_mlp")
-    planner = _Planner(model, (x, target), repeats=5)
+    planner = Planner(model, (x, target), repeats=5)
     seen: dict = {}
 
     def stand_in(target, runners, repeats):
@@ -167,9 +168,9 @@ def test_the_measured_fastest_displaces_the_predicted_only_when_consistently_fas
     plan = planner.plan(0.75)
     assert len(seen) > 2
     assert plan.schedule.items == seen[0 if chosen == "predicted" else 1]
-    assert planning._displaces([0.5] * 4 + [1.1], [1.0] * 5)
-    assert not planning._displaces([0.5] * 3 + [1.1] * 2, [1.0] * 5)
-    assert planning._displaces([0.5], [1.0]) and not planning._displaces([1.0], [1.0])
+    assert _timing._displaces([0.5] * 4 + [1.1], [1.0] * 5)
+    assert not _timing._displaces([0.5] * 3 + [1.1] * 2, [1.0] * 5)
+    assert _timing._displaces([0.5], [1.0]) and not _timing._displaces([1.0], [1.0])
 
 
 def test_a_challenger_must_win_fresh_rounds_too(monkeypatch):
@@ -177,7 +178,7 @@ def test_a_challenger_must_win_fresh_rounds_too(monkeypatch):
     # the selection; timed again beside the predicted fastest alone, it loses, and
     # the predicted fastest stays the plan.
     model, x, target = _model("residual_mlp")
-    planner = _Planner(model, (x, target), repeats=3)
+    planner = Planner(model, (x, target), repeats=3)
     calls: list[list] = []
     seen: dict = {}
 
@@ -247,7 +248,7 @@ def test_a_larger_budget_has_the_smaller_budgets_proposals_among_its_candidates(
     # a re-run), once proposed, is timed at a budget it fits and, with a stand-in
     # timing that favours it, is the plan there.
     model, x, target = _model("residual_mlp")
-    planner = _Planner(model, (x, target), repeats=1)
+    planner = Planner(model, (x, target), repeats=1)
     n = len(planner.chain)
     twice = P.Region((P.Region((P.Keep(0),)),))
     odd = P.Schedule.from_items(planner.chain, (twice, *(P.Keep(i) for i in range(1, n))))
@@ -279,7 +280,7 @@ def test_alike_stages_get_the_medians_of_their_times():
         return P.Stage("s", t, t / 2, 2 * t, 8, 8, 16, options=(option,))
 
     stages = [stage(t) for t in (1.0, 2.0, 9.0, 3.0, 7.0)]
-    pooled = planning._pooled(stages, [("a",), ("a",), ("b",), ("a",), None])
+    pooled = _profile._pooled(stages, [("a",), ("a",), ("b",), ("a",), None])
     assert [s.forward_s for s in pooled] == [2.0, 2.0, 9.0, 2.0, 7.0]
     assert [s.forward_nograd_s for s in pooled] == [1.0, 1.0, 4.5, 1.0, 3.5]
     assert [s.backward_s for s in pooled] == [4.0, 4.0, 18.0, 4.0, 14.0]
@@ -391,7 +392,7 @@ def test_json_round_trip_applies_the_same_schedule(tmp_path):
 def test_stage_options_are_profiled_and_a_partial_keep_is_exact():
     model, x, target = _model("tiny_gpt")
     matmuls = policies_.save_outputs_of(*policies_.MATMUL, *policies_.ATTENTION)
-    planner = _Planner(model, (x, target), options={"matmuls": matmuls}, repeats=1)
+    planner = Planner(model, (x, target), options={"matmuls": matmuls}, repeats=1)
     for stage in planner.chain.stages:
         (option,) = stage.options
         assert option.name == "matmuls"
@@ -420,7 +421,7 @@ def test_every_stage_under_an_option_is_a_measured_baseline(monkeypatch):
     # timing that favours options makes it the plan wherever it fits.
     model, x, target = _model("tiny_gpt")
     matmuls = policies_.save_outputs_of(*policies_.MATMUL, *policies_.ATTENTION)
-    planner = _Planner(model, (x, target), options={"matmuls": matmuls}, repeats=1)
+    planner = Planner(model, (x, target), options={"matmuls": matmuls}, repeats=1)
     n = len(planner.chain)
     every = (*(P.Keep(i, "matmuls") for i in range(n - 1)), P.Keep(n - 1))
     assert any(b.items == every for b in planner.baselines)
@@ -532,10 +533,13 @@ def test_runner_checks_the_block_count():
         plan.runner(list(net)[:4])
 
 
-def test_plan_module_is_callable_and_still_imports_no_torch():
-    code = "import sys, forget.plan as p; assert callable(p); assert 'torch' not in sys.modules"
+def test_plan_is_a_plain_function_and_schedules_import_no_torch():
+    assert inspect.isfunction(forget.plan)
+    assert inspect.signature(forget.plan).return_annotation in ("Plan", Plan)
+    assert forget.Plan is Plan
+    assert not hasattr(forget.schedules, "Plan")
+    code = "import sys, forget.schedules as s; assert 'torch' not in sys.modules; s.solve"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert forget.plan.Plan is forget.Plan is Plan
 
 
 def test_profile_charges_a_fixed_cost_per_region():
@@ -568,7 +572,7 @@ def test_profile_charges_a_fixed_cost_per_region():
 )
 def test_split_plans_inside_blocks_exactly_and_keeps_baselines_on_whole_blocks(name, parts):
     model, x, target = _model(name)
-    planner = _Planner(model, (x, target), repeats=1, split=True)
+    planner = Planner(model, (x, target), repeats=1, split=True)
     blocks = len(model.blocks)
     per_block = len(parts)
     assert planner.block_sizes == (per_block,) * blocks
@@ -640,16 +644,16 @@ def test_a_split_plan_round_trips_and_checks_the_blocks_it_splits(tmp_path):
 
 def test_sub_stages_come_from_forget_stages_or_a_sequentials_children():
     seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    assert [name for name, _ in planning.sub_stages(seq)] == ["0", "1"]
-    assert planning.sub_stages(nn.Linear(4, 4)) is None
-    assert planning.sub_stages(nn.Sequential()) is None
+    assert [name for name, _ in _targets.sub_stages(seq)] == ["0", "1"]
+    assert _targets.sub_stages(nn.Linear(4, 4)) is None
+    assert _targets.sub_stages(nn.Sequential()) is None
 
     class Bad(nn.Module):
         def forget_stages(self):
             return [nn.ReLU()]
 
     with pytest.raises(TypeError, match=r"Bad.forget_stages\(\) must return a non-empty dict"):
-        planning.sub_stages(Bad())
+        _targets.sub_stages(Bad())
     with pytest.raises(TypeError, match="split must be a bool"):
         forget.plan([nn.ReLU()], torch.ones(2), budget=10**9, split="yes")
     # A Sequential of Sequentials splits into the inner layers, named by both.
@@ -683,11 +687,11 @@ def test_stages_meeting_at_a_cut_no_backward_reads_are_planned_as_one(tmp_path, 
     # between them is freed in a plain step as soon as ReLU has run, but the
     # memory model would keep it to the stage's backward.
     net, x = _bn_blocks(), torch.randn(64, 32)
-    target = planning._target(net, (x,), None, split=True)
+    target = _targets._target(net, (x,), None, split=True)
     assert target.names[:3] == ["0.0", "0.1+2", "0.3"]
     assert target.block_sizes == (3,) * 3 and target.stage_parts == (1, 2, 1) * 3
     joined = target.blocks[1]
-    assert isinstance(joined, planning._Joined) and list(joined.layers) == [net[0][1], net[0][2]]
+    assert isinstance(joined, nn.Sequential) and list(joined) == [net[0][1], net[0][2]]
     # Finding the cuts ran the blocks with grad and left no trace.
     assert all(p.grad is None for p in net.parameters())
     assert int(net[0][1].num_batches_tracked) == 0
@@ -707,7 +711,7 @@ def test_stages_meeting_at_a_cut_no_backward_reads_are_planned_as_one(tmp_path, 
     assert store_all(cut) - store_all(chain) > 64 * 256 * 4
     net.zero_grad(set_to_none=True)
     plain = forget.measure(lambda: net(x.requires_grad_()).sum().backward()).peak_bytes
-    planner = _Planner(net, (x,), repeats=1, split=True, chain=chain)
+    planner = Planner(net, (x,), repeats=1, split=True, chain=chain)
     assert planner.plain_peak == plain <= store_all(chain)
     plan = planner.plan(planner.plan(planner.plain_peak).min_feasible_bytes)
     assert plan.stage_parts == (1, 2, 1) * 3
@@ -738,11 +742,11 @@ def test_a_cut_some_backward_reads_is_kept():
     # Linear saves its input, GELU its input: every cut is read, nothing is joined.
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-    target = planning._target([block, block], (torch.randn(4, 8),), None, split=True)
+    target = _targets._target([block, block], (torch.randn(4, 8),), None, split=True)
     assert target.stage_parts is None and target.block_sizes == (3, 3)
     # An in-place ReLU writes into its input: its output, which it saves, is that cut.
     block = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True))
-    target = planning._target([block], (torch.randn(4, 8),), None, split=True)
+    target = _targets._target([block], (torch.randn(4, 8),), None, split=True)
     assert target.stage_parts is None
 
 
@@ -763,8 +767,8 @@ def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch)
     monkeypatch.setattr(
         planning, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
     )
-    held = {i: inputs[i] for i in planning._pair_starts(len(blocks))}  # as _profile holds them
-    region_s = planning._region_overhead_s(blocks, held, stages, repeats=1)
+    held = {i: inputs[i] for i in _timing._pair_starts(len(blocks))}  # as _profile holds them
+    region_s = _profile._region_overhead_s(blocks, held, stages, repeats=1)
     # Pairs (0, 1), (2, 3), (6, 7), (8, 9): 5 disjoint pairs, 4 spread over them.
     assert sorted(held) == [0, 2, 6, 8]
     assert [next(i for i, x in enumerate(inputs) if x is h) for h in seen] == [0, 2, 6, 8]
@@ -784,7 +788,7 @@ def test_profile_counts_parameter_gradients_once_at_their_last_user():
     one = (8 * 8 + 8) * 4
     assert [s.param_grad_bytes for s in chain.stages] == [0, one, one, 0, 0]
     model, x, target = _model("tiny_gpt")
-    planner = _Planner(model, (x, target), repeats=1, split=True)
+    planner = Planner(model, (x, target), repeats=1, split=True)
     total = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
     assert sum(s.param_grad_bytes for s in planner.chain.stages) == total
     # Uniform segmentations: their measured peak is no further from the model's
@@ -799,7 +803,7 @@ def test_the_least_memory_schedule_without_parameter_gradients_is_a_candidate():
     # NOTE [parameter gradients]: measured, it may peak lower than the model's own
     # least-memory schedule; the smallest feasible budget is the least measured.
     model, x, target = _model("tiny_gpt")
-    planner = _Planner(model, (x, target), repeats=1)
+    planner = Planner(model, (x, target), repeats=1)
     flat = P.Chain(
         tuple(dataclasses.replace(s, param_grad_bytes=0) for s in planner.chain.stages),
         region_overhead_s=planner.chain.region_overhead_s,
@@ -815,10 +819,12 @@ def test_the_least_memory_schedule_without_parameter_gradients_is_a_candidate():
 def test_joined_plain_callables_are_not_pooled_as_alike():
     # NOTE [alike stages]: a joined stage of plain callables carries no description.
     double, relu = (lambda h: h * 2), torch.relu
-    joined = planning._Joined([double, relu])
-    assert not joined.described and list(joined.children()) == []
+    joined = _targets._joined([double, relu])
+    assert isinstance(joined, InTurn) and not isinstance(joined, nn.Module)
     stage = P.Stage("s", 1.0, 1.0, 1.0, 16, 16, 0)
-    assert planning._signature(joined, torch.ones(4), stage) is None
-    described = planning._Joined([nn.BatchNorm1d(4), nn.ReLU()])
-    assert described.described and planning._signature(described, torch.ones(4), stage)
+    assert _profile._signature(joined, torch.ones(4), stage) is None
+    described = _targets._joined([nn.BatchNorm1d(4), nn.ReLU()])
+    assert isinstance(described, nn.Sequential) and _profile._signature(
+        described, torch.ones(4), stage
+    )
     assert torch.equal(joined(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 4.0]))

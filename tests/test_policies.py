@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
-from forget import _offload
 from forget import policies as P
+from forget.engine import _offload
 
 
 class OpLog(TorchDispatchMode):
@@ -177,10 +177,10 @@ def test_kept_draws_under_double_backward():
 @pytest.mark.parametrize("shape", [(1,), (7,), (8,), (4, 16), (3, 5, 11), (64, 0)])
 def test_bits_round_trip_in_logical_order(shape, byteorder, monkeypatch):
     # The int64 gather on little-endian machines, a byte loop elsewhere: same bits.
-    from forget import _stateful
-    from forget._stateful import _pack_bits, _unpack_bits_into
+    from forget.engine import _state
+    from forget.engine._state import _pack_bits, _unpack_bits_into
 
-    monkeypatch.setattr(_stateful.sys, "byteorder", byteorder)
+    monkeypatch.setattr(_state.sys, "byteorder", byteorder)
     torch.manual_seed(0)
     t = torch.empty(shape).bernoulli_(0.5)
     for view in (t, t.transpose(0, -1)):

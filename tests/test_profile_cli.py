@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from forget import _profile_cli
+from forget.cli import _profile
 from forget.cli import main as cli_main
 
 FACTORY = """
@@ -54,7 +54,7 @@ def test_profile_a_user_factory(factory_dir, capsys):
 
 def test_profile_an_infeasible_budget_exits_2_naming_the_minimum(factory_dir, capsys):
     argv = ["user_models:build", "--input-shape", "128,16", "--budget", "1000", "--quiet"]
-    assert _profile_cli.main([*argv, "--repeats", "1"]) == 2
+    assert _profile.main([*argv, "--repeats", "1"]) == 2
     assert "below the smallest feasible one" in capsys.readouterr().err
 
 
@@ -69,5 +69,5 @@ def test_profile_an_infeasible_budget_exits_2_naming_the_minimum(factory_dir, ca
     ],
 )
 def test_profile_usage_errors(factory_dir, argv, message, capsys):
-    assert _profile_cli.main(argv) == 2
+    assert _profile.main(argv) == 2
     assert message in capsys.readouterr().err

@@ -13,9 +13,9 @@ from torch import nn
 
 import forget
 from forget import policies as P
-from forget._planning import _Items, _Planner
 from forget.models import build_model
-from forget.plan import Keep, Region, Schedule
+from forget.planning import Planner, run_items
+from forget.schedules import Keep, Region, Schedule
 
 
 class _MLP(nn.Module):
@@ -69,12 +69,12 @@ def test_regenerated_outputs_under_double_backward():
 
 
 def test_the_op_runs_again_once_per_unpack_and_a_live_output_is_used_as_is(monkeypatch):
-    from forget import _regen
+    from forget.engine import _regenerate
 
     calls = []
-    rule = _regen._RULES["GeluBackward0"]
+    rule = _regenerate._RULES["GeluBackward0"]
     monkeypatch.setitem(
-        _regen._RULES,
+        _regenerate._RULES,
         "GeluBackward0",
         (rule[0], lambda n, out: (lambda r: lambda: calls.append(1) or r())(rule[1](n, out))),
     )
@@ -237,7 +237,7 @@ def test_a_plan_may_keep_mlp_halves_with_their_gelu_regenerated(tmp_path):
     model = build_model("tiny_gpt", "tiny")
     x, target = model.example_input(generator=torch.Generator().manual_seed(0))
     options = {"regen": P.regenerate()}
-    planner = _Planner(model, (x, target), options=options, repeats=1, split=True)
+    planner = Planner(model, (x, target), options=options, repeats=1, split=True)
     mlp = next(s for s in planner.chain.stages if s.name.endswith(".mlp"))
     (option,) = mlp.options
     hidden = x.numel() * model.blocks[0].fc1.out_features * 4
@@ -269,7 +269,7 @@ def test_a_plan_may_regenerate_inside_its_regions():
     model = build_model("tiny_gpt", "tiny")
     x, target = model.example_input(generator=torch.Generator().manual_seed(0))
     options = {"regen": P.regenerate(), "sel": P.save_outputs_of("mm")}
-    planner = _Planner(model, (x, target), options=options, repeats=1, split=True)
+    planner = Planner(model, (x, target), options=options, repeats=1, split=True)
     chain, n = planner.chain, len(planner.chain)
     assert all([o.in_regions for o in s.options] == [True, False] for s in chain.stages)
 
@@ -283,7 +283,7 @@ def test_a_plan_may_regenerate_inside_its_regions():
     assert regen.predicted_peak_bytes < whole.predicted_peak_bytes
     assert planner.trials.peak(regen) < planner.trials.peak(whole)
     grads = []
-    for runner in (None, _Items(regen.items, planner.target.blocks, planner.policies)):
+    for runner in (None, run_items(regen.items, planner.target.blocks, planner.policies)):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(3)
         planner.target.step(runner)
@@ -326,7 +326,7 @@ def test_a_dropouts_product_and_float_mask_are_rebuilt_bitwise():
 
 
 def test_what_cannot_be_rebuilt_exactly_is_kept():
-    from forget._regen import _two_valued
+    from forget.engine._regenerate import _two_valued
 
     policy = P.regenerate()
     a = torch.randn(64, 64, requires_grad=True)

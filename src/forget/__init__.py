@@ -4,7 +4,7 @@ Inside a region marked with `forget`, the forward pass keeps none of its
 intermediate activations; the backward pass recomputes them, exactly.
 
 Importing ``forget`` imports no torch: the public names load their modules
-on first use, so ``import forget.plan`` (the pure planners) stays light.
+on first use, so ``import forget.schedules`` (the pure planners) stays light.
 """
 
 from __future__ import annotations
@@ -12,51 +12,53 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._errors import BudgetInfeasibleError as BudgetInfeasibleError
-from ._errors import ForgetError as ForgetError
-from ._errors import RecomputationMismatchError as RecomputationMismatchError
+from .errors import BudgetInfeasibleError as BudgetInfeasibleError
+from .errors import ForgetError as ForgetError
+from .errors import RecomputationMismatchError as RecomputationMismatchError
 
 if TYPE_CHECKING:
     from . import models as models
-    from . import plan as plan
     from . import policies as policies
+    from . import schedules as schedules
     from ._apply import apply_forget as apply_forget
     from ._checkpoint import checkpoint as checkpoint
-    from ._core import forget as forget
-    from ._measure import MemoryReport as MemoryReport
-    from ._measure import SavedReport as SavedReport
-    from ._measure import measure as measure
-    from ._measure import saved as saved
-    from ._planning import Plan as Plan
-    from ._planning import profile_chain as profile_chain
-    from ._regen import regenerating as regenerating
-    from ._state import in_recomputing as in_recomputing
+    from .engine import forget as forget
+    from .engine import in_recomputing as in_recomputing
+    from .engine import regenerating as regenerating
+    from .memory import MemoryReport as MemoryReport
+    from .memory import SavedReport as SavedReport
+    from .memory import measure as measure
+    from .memory import saved as saved
     from .nn import Forget as Forget
     from .nn import ForgetSequential as ForgetSequential
     from .nn import forget_sequential as forget_sequential
+    from .planning import Plan as Plan
+    from .planning import plan as plan
+    from .planning import profile_chain as profile_chain
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it, imported on first access (PEP 562).
 _LAZY: dict[str, str] = {
-    "forget": "._core",
-    "in_recomputing": "._state",
+    "forget": ".engine",
+    "in_recomputing": ".engine",
+    "regenerating": ".engine",
     "checkpoint": "._checkpoint",
+    "apply_forget": "._apply",
     "Forget": ".nn",
     "ForgetSequential": ".nn",
     "forget_sequential": ".nn",
-    "measure": "._measure",
-    "saved": "._measure",
-    "MemoryReport": "._measure",
-    "SavedReport": "._measure",
-    "Plan": "._planning",
-    "profile_chain": "._planning",
-    "apply_forget": "._apply",
-    "regenerating": "._regen",
+    "measure": ".memory",
+    "saved": ".memory",
+    "MemoryReport": ".memory",
+    "SavedReport": ".memory",
+    "plan": ".planning",
+    "Plan": ".planning",
+    "profile_chain": ".planning",
 }
 
-# Public submodules, imported on first access; ``plan`` and ``policies`` import no torch.
-_SUBMODULES = ("models", "plan", "policies")
+# Public submodules, imported on first access; ``schedules`` and ``policies`` import no torch.
+_SUBMODULES = ("models", "policies", "schedules")
 
 __all__ = [
     "BudgetInfeasibleError",
@@ -80,6 +82,7 @@ __all__ = [
     "profile_chain",
     "regenerating",
     "saved",
+    "schedules",
 ]
 
 

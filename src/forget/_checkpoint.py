@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._core import compiled_region, run_region
+from .engine import compiled_region, run_region
 from .policies import Policy, as_policy
 
 __all__ = ["checkpoint"]

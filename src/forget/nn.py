@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ._core import run_region
+from .engine import InTurn, run_region
 from .policies import Policy, as_policy
 
 __all__ = ["Forget", "ForgetSequential", "forget_sequential"]
@@ -129,20 +129,9 @@ class ForgetSequential(nn.Sequential):
         """Run the layers, each segment as a forgotten region."""
         layers = list(self)
         for start, end in self._bounds():
-            x = run_region(_Chain(layers[start:end]), (x,), {})
-        return x
-
-
-class _Chain:
-    """Call layers one after another (a callable, not a module: no new state_dict keys)."""
-
-    def __init__(self, layers: list[nn.Module]) -> None:
-        self.layers = layers
-        self.__qualname__ = "segment(" + ", ".join(type(m).__name__ for m in layers) + ")"
-
-    def __call__(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
+            segment = layers[start:end]
+            name = "segment(" + ", ".join(type(m).__name__ for m in segment) + ")"
+            x = run_region(InTurn(segment, name), (x,), {})
         return x
 
 

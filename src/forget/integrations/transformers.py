@@ -185,9 +185,9 @@ def _layers(model: Any) -> list[Any]:
 def _fit_budget(model: Any, budget: int | float | str, inputs: Mapping[str, Any]) -> None:
     import torch
 
-    from .. import _errors
-    from .._measure import measure
-    from ..plan import parse_budget
+    from ..errors import BudgetInfeasibleError
+    from ..memory import measure
+    from ..schedules import parse_budget
 
     layers = _layers(model)
     params = list(model.parameters())
@@ -209,7 +209,7 @@ def _fit_budget(model: Any, budget: int | float | str, inputs: Mapping[str, Any]
         least, plain = peak(len(layers)), peak(0)
         limit = parse_budget(budget, plain)
         if least > limit:
-            raise _errors.BudgetInfeasibleError(
+            raise BudgetInfeasibleError(
                 f"forget: the budget {limit:,} B is below the smallest feasible one, "
                 f"{least:,} B (one step with all {len(layers)} layers checkpointed; the plain "
                 f"step peaks at {plain:,} B)",

@@ -12,10 +12,13 @@ from collections.abc import Sequence
 
 # subcommand -> (module, one-line help). Each module exposes ``main(argv) -> int``.
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("forget._demo", "train a small model plain and with forget; compare bytes and state"),
-    "bench": ("forget._bench", "benchmark plain vs torch.utils.checkpoint vs forget"),
-    "plan": ("forget._plan_cli", "plan a model into a memory budget"),
-    "profile": ("forget._profile_cli", "memory ledger and plan for a user's model factory"),
+    "demo": (
+        "forget.cli._demo",
+        "train a small model plain and with forget; compare bytes and state",
+    ),
+    "bench": ("forget.cli._bench", "benchmark plain vs torch.utils.checkpoint vs forget"),
+    "plan": ("forget.cli._plan", "plan a model into a memory budget"),
+    "profile": ("forget.cli._profile", "memory ledger and plan for a user's model factory"),
 }
 
 

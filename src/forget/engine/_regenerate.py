@@ -51,8 +51,8 @@ from typing import Any
 
 import torch
 
-from ._errors import ForgetError
-from .policies import REGENERABLE, Policy
+from ..errors import ForgetError
+from ..policies import REGENERABLE, Policy
 
 __all__ = ["regenerating"]
 
@@ -302,7 +302,7 @@ def regenerating(policy: Policy) -> Iterator[None]:
     Raises:
         TypeError: ``policy`` regenerates nothing.
     """
-    from ._core import _packers
+    from ._region import _packers
 
     if not isinstance(policy, Policy) or not policy.regenerate:
         raise TypeError(

@@ -3,19 +3,15 @@
 Describe a model as a `Chain` of `Stage` figures (times in seconds, sizes in
 bytes), then `solve` it for a budget: the result is a `Schedule`, a tree of
 `Keep` and nested forget `Region` items with its predicted peak and time.
-The memory model is documented in `simulate`'s module, ``forget.plan._schedule``.
+The memory model is documented in `simulate`'s module, ``forget.schedules._schedule``.
 
 Example:
-    >>> from forget.plan import Chain, Stage, solve
+    >>> from forget.schedules import Chain, Stage, solve
     >>> chain = Chain(tuple(Stage(f"l{i}", 1.0, 0.8, 2.0, 100, 100, 400) for i in range(8)))
     >>> schedule = solve(chain, 2000)
     >>> schedule.predicted_peak_bytes <= 2000
     True
 """
-
-import sys
-import types
-from typing import Any
 
 from ._baselines import sqrt_segments as sqrt_segments
 from ._budget import parse_budget as parse_budget
@@ -60,24 +56,3 @@ __all__ = [
     "solve",
     "sqrt_segments",
 ]
-
-
-# ``forget.plan(model, *inputs, budget=...)`` profiles a torch model and plans it
-# (`forget._planning.plan`). Calling the module imports torch then, never before:
-# ``import forget.plan`` stays torch-free for the pure algorithms above.
-class _PlanModule(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .._planning import plan
-
-        return plan(*args, **kwargs)
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("Plan", "profile_chain"):
-        from .. import _planning
-
-        return getattr(_planning, name)
-    raise AttributeError(f"module 'forget.plan' has no attribute {name!r}")
-
-
-sys.modules[__name__].__class__ = _PlanModule

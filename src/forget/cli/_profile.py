@@ -18,17 +18,17 @@ from typing import Any
 
 import torch
 
-from . import plan as P
-from ._errors import BudgetInfeasibleError
-from ._measure import _Ledger, _watch
-from ._plan_cli import PLOT_HINT, model_and_inputs
-from ._planning import Plan, _Planner, _untouched, _zero_grads
-from .models import SIZES
+from .. import schedules as P
+from ..errors import BudgetInfeasibleError
+from ..memory import Ledger, watch
+from ..models import SIZES
+from ..planning import Plan, Planner, untouched, zero_grads
+from ._plan import PLOT_HINT, model_and_inputs
 
 _MIB = 1024 * 1024
 
 
-class _TimelineLedger(_Ledger):
+class _TimelineLedger(Ledger):
     """The ledger, sampling the live total after every op: (live bytes, in backward)."""
 
     def __init__(self) -> None:
@@ -44,22 +44,22 @@ class _TimelineLedger(_Ledger):
 
 
 def timeline(
-    planner: _Planner, runner: Callable[[torch.Tensor], torch.Tensor] | None
+    planner: Planner, runner: Callable[[torch.Tensor], torch.Tensor] | None
 ) -> list[tuple[int, bool]]:
     """Live bytes after each op of one training step, and whether backward ran it."""
     target = planner.target
     ledger = _TimelineLedger()
-    with _untouched(target):
-        _zero_grads(target)
+    with untouched(target):
+        zero_grads(target)
         try:
-            with _watch(ledger):
+            with watch(ledger):
                 target.step(runner)
         finally:
             ledger.close()
     return ledger.samples
 
 
-def format_ledger(planner: _Planner) -> str:
+def format_ledger(planner: Planner) -> str:
     """Per block: what it reads, writes and keeps for backward, and its times."""
     lines = [
         f"{'block':<16}{'input B':>12}{'output B':>12}{'kept B':>12}{'fwd tmp B':>12}"
@@ -167,7 +167,7 @@ def main(argv: Sequence[str]) -> int:
 
     progress = _Progress(3, enabled=not args.quiet, desc="forget profile")
     try:
-        planner = _Planner(model, inputs, repeats=args.repeats)
+        planner = Planner(model, inputs, repeats=args.repeats)
         progress.update("profiled")
         try:
             plan: Plan | None = planner.plan(args.budget)

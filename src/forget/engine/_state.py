@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import RecomputationMismatchError
+from ..errors import RecomputationMismatchError
+from ._storage import storage_key, view_key
 
 __all__ = [
     "StateTracker",
@@ -221,10 +222,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-
-
 Decide = Callable[[str, int], Any]
 
 
@@ -277,10 +274,6 @@ def detached(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
-def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
-    return (t.device, t.untyped_storage().data_ptr())
-
-
 def _input_keys(
     args: tuple[Any, ...], kwargs: dict[str, Any], skip: tuple[tuple[int, str], ...] = ()
 ) -> list[tuple[torch.device, int]]:
@@ -293,13 +286,9 @@ def _input_keys(
     keys = []
     for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, torch.Tensor):
-            keys.append((value.device, value.untyped_storage().data_ptr()))
+            keys.append(storage_key(value))
         elif isinstance(value, (list, tuple)):
-            keys.extend(
-                (t.device, t.untyped_storage().data_ptr())
-                for t in value
-                if isinstance(t, torch.Tensor)
-            )
+            keys.extend(storage_key(t) for t in value if isinstance(t, torch.Tensor))
     return keys
 
 
@@ -333,7 +322,7 @@ class StateTracker(TorchDispatchMode):
         self._recomputing = recomputing
         # NOTE [write-only state]: storages whose pure updates the re-run skips.
         self._skip_tensors = skip or []
-        self._skip = {_storage_key(t) for t in self._skip_tensors}
+        self._skip = {storage_key(t) for t in self._skip_tensors}
         self._reads: set[tuple[torch.device, int]] = set()
         self._decide = decide
         self._replay = replay
@@ -445,7 +434,7 @@ class StateTracker(TorchDispatchMode):
                 for t in _tensors(args[i] if i < len(args) else kwargs.get(name))
             ]
             pure = len(targets) == 1 and info.update_results is not None
-            if pure and self._skip and _storage_key(targets[0]) in self._skip:
+            if pure and self._skip and storage_key(targets[0]) in self._skip:
                 # NOTE [write-only state]: the forward's update is already in place.
                 results = info.update_results or 0
                 if results == 1:
@@ -455,7 +444,7 @@ class StateTracker(TorchDispatchMode):
                 # A pure update's target is not read.
                 self._note_reads(_input_keys(args, kwargs, written if pure else ()))
                 if not pure:
-                    self._reads.update(_storage_key(t) for t in targets)
+                    self._reads.update(storage_key(t) for t in targets)
             for t in targets:
                 self._note_write(t)
         elif not self._recomputing:
@@ -477,7 +466,7 @@ class StateTracker(TorchDispatchMode):
             tensors = [out] if isinstance(out, torch.Tensor) else _tensors(out)
             for t in tensors:
                 if t.numel():
-                    key = _storage_key(t)
+                    key = storage_key(t)
                     self._created.add(key)
                     if self.drawn_storages:
                         self.drawn_storages.pop(key, None)  # its address reused: it died
@@ -499,10 +488,10 @@ class StateTracker(TorchDispatchMode):
 
         NOTE [write-only state]. Call once, after the forward.
         """
-        write_only = [t for t, _ in self.snapshots if _storage_key(t) not in self._reads]
+        write_only = [t for t, _ in self.snapshots if storage_key(t) not in self._reads]
         if write_only:
-            keys = {_storage_key(t) for t in write_only}
-            self.snapshots = [(t, v) for t, v in self.snapshots if _storage_key(t) not in keys]
+            keys = {storage_key(t) for t in write_only}
+            self.snapshots = [(t, v) for t, v in self.snapshots if storage_key(t) not in keys]
         self._reads = set()
         return write_only
 
@@ -537,16 +526,16 @@ class StateTracker(TorchDispatchMode):
             # memory, which later ops may write into (dropout's div_) and autograd saves;
             # those saves are rebuilt by the re-run from the replayed values.
             self.kept[position] = (info.name, _KeptDraw(info.op, target), action)
-            self.drawn_storages[_storage_key(target)] = position
+            self.drawn_storages[storage_key(target)] = position
             self._inputs.pop(position, None)
             self._draw_readers.pop(position, None)
             return
         self.kept[position] = (info.name, _fresh_aliases(out), action)
-        self._kept_keys[position] = {_storage_key(t) for t in tensors}
+        self._kept_keys[position] = {storage_key(t) for t in tensors}
         self._inputs.pop(position, None)  # replayed, not re-run: reads nothing
         self._draw_readers.pop(position, None)
         for t in tensors:
-            self.kept_storages[_storage_key(t)] = action
+            self.kept_storages[storage_key(t)] = action
 
     def prune_draw_states(self) -> None:
         """Keep only the generator states a re-run needs.
@@ -603,20 +592,20 @@ class StateTracker(TorchDispatchMode):
 
     def _copy_kept_before_write(self, t: torch.Tensor) -> None:
         """Copy on write: a kept or replayed output is about to be written into."""
-        key = _storage_key(t)
+        key = storage_key(t)
         for table in (self.kept, self._replay or {}):
             for position, (name, outputs, action) in list(table.items()):
-                if any(_storage_key(o) == key for o in _tensors(outputs)):
+                if any(storage_key(o) == key for o in _tensors(outputs)):
                     table[position] = (name, _clones(outputs), action)
 
     def _note_write(self, t: torch.Tensor) -> None:
         if t.numel() == 0 or t.device.type == "meta":
             return
-        if _storage_key(t) in self._created:
+        if storage_key(t) in self._created:
             if self.kept or self._replay:
                 self._copy_kept_before_write(t)
             return
-        key = _key(t)
+        key = view_key(t)
         if key in self._seen:
             return
         self._seen.add(key)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .._errors import BudgetInfeasibleError
+from ..errors import BudgetInfeasibleError
 from ._baselines import forget_each_items, sqrt_segments, store_all_items, uniform_items
 from ._chain import Chain
 from ._dp import (
@@ -35,7 +35,7 @@ __all__ = [
 
 def _check_chain(chain: object) -> Chain:
     if not isinstance(chain, Chain):
-        raise TypeError(f"forget: expected a forget.plan.Chain, got {type(chain).__name__}")
+        raise TypeError(f"forget: expected a forget.schedules.Chain, got {type(chain).__name__}")
     return chain
 
 
@@ -263,7 +263,7 @@ def solve(
     Forgetting a range of stages trades memory for compute: only its input is
     kept in forward, and it runs once more in backward. ``"optimal"`` finds
     the fastest tree of nested forget regions (and stage options) whose peak,
-    in the memory model of `forget.plan.simulate`, fits the budget; the other
+    in the memory model of `forget.schedules.simulate`, fits the budget; the other
     algorithms are the classic baselines.
 
     Args:
@@ -285,7 +285,7 @@ def solve(
         TypeError: wrong argument types or unknown options.
 
     Example:
-        >>> from forget.plan import Chain, Stage, solve
+        >>> from forget.schedules import Chain, Stage, solve
         >>> stage = Stage("layer", 1.0, 0.8, 2.0, 100, 100, 400)
         >>> plan = solve(Chain((stage,) * 8), 2000)
         >>> plan.predicted_peak_bytes <= 2000

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 import forget
 from forget import ForgetError
 
-from .models import MODEL_NAMES, SIZES, BlockModel, BlockWrapper, build_model
+from ..models import MODEL_NAMES, SIZES, BlockModel, BlockWrapper, build_model
 
 VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")
 ALIASES: dict[str, str] = {"mlp": "residual_mlp", "cnn": "small_cnn", "gpt": "tiny_gpt"}

@@ -45,20 +45,20 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from ._errors import ForgetError, RecomputationMismatchError
+from ..errors import ForgetError, RecomputationMismatchError
+from ..policies import Action, Policy
 from ._offload import Offloaded, offload, warn_cpu_once
-from ._regen import REGION_OUTPUT, rerun_pack, resolve
-from ._state import AutocastState, RNGState, devices_of, recomputing
-from ._stateful import (
+from ._regenerate import REGION_OUTPUT, rerun_pack, resolve
+from ._replay import AutocastState, RNGState, devices_of, recomputing
+from ._state import (
     StateTracker,
     StopRecomputation,
-    _storage_key,
     current_values,
     detached,
     hidden,
     restore,
 )
-from .policies import Action, Policy
+from ._storage import storage_key
 
 __all__ = ["Region", "forget", "ordinal", "run_region"]
 
@@ -88,7 +88,7 @@ _packers = _Packers()
 def _external(t: torch.Tensor, key: tuple[torch.device, int]) -> bool:
     """Whether no region running in this thread made ``t``'s memory (inputs, parameters).
 
-    ``key`` is ``t``'s storage key (`_stateful._storage_key`), worked out once by the caller.
+    ``key`` is ``t``'s storage key (`storage_key`), worked out once by the caller.
     """
     if not t.numel():
         return False
@@ -236,7 +236,7 @@ class Region:
         action = None
         tracker = self._tracker
         self._pack_positions.append(tracker.position if tracker is not None else -1)
-        key = _storage_key(t)
+        key = storage_key(t)
         if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
             action = tracker.kept_storages.get(key)
             if action is not None:

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from . import plan as P
-from . import policies
-from ._errors import BudgetInfeasibleError
-from ._measure import frozen_heap
-from ._planning import Plan, _Items, _Planner, paired_overheads, time_side_by_side
-from .models import MODEL_NAMES, SIZES, BlockModel, build_model, model_settings
-from .policies import Policy
+from .. import policies
+from .. import schedules as P
+from ..errors import BudgetInfeasibleError
+from ..memory import frozen_heap
+from ..models import MODEL_NAMES, SIZES, BlockModel, build_model, model_settings
+from ..planning import Plan, Planner, paired_overheads, run_items, time_side_by_side
+from ..policies import Policy
 
 PLOT_HINT = "forget: --pareto needs matplotlib; install it with pip install 'torch-forget[plot]'"
 DEFAULT_BUDGETS = "75%,50%,35%,min"
@@ -83,7 +83,7 @@ class ModelResult:
     plain_peak_bytes: int
     min_feasible_bytes: int
     rows: list[BudgetRow]
-    planner: _Planner = field(repr=False)
+    planner: Planner = field(repr=False)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -103,13 +103,13 @@ def _items_text(schedule: P.Schedule) -> str:
 # ------------------------------------------------------------------ timing
 
 
-def _uniform_schedules(planner: _Planner) -> list[tuple[int, P.Schedule]]:
+def _uniform_schedules(planner: Planner) -> list[tuple[int, P.Schedule]]:
     """Every uniform segmentation of the blocks (NOTE [finer stages]: whole blocks, with split)."""
     return [(k, planner.uniform(k)) for k in range(1, len(planner.block_sizes) + 1)]
 
 
 def _plan_budgets(
-    name: str, planner: _Planner, labels: Sequence[str], algorithm: str, repeats: int
+    name: str, planner: Planner, labels: Sequence[str], algorithm: str, repeats: int
 ) -> ModelResult:
     min_feasible = planner.plan(planner.plain_peak, algorithm=algorithm).min_feasible_bytes
     budgets = {
@@ -144,13 +144,13 @@ def _plan_budgets(
         if not same and len(others) > 1:
             selection = time_side_by_side(
                 planner.target,
-                {k: _Items(s.items, planner.target.blocks, {}) for k, s, _ in others},
+                {k: run_items(s.items, planner.target.blocks, {}) for k, s, _ in others},
                 repeats,
             )
             best = min(others, key=lambda f: selection[f[0]])
         runners: dict[str, Any] = {"plan": planner.runner(row.plan)}
         if best is not None and not same:
-            runners["uniform"] = _Items(best[1].items, planner.target.blocks, {})
+            runners["uniform"] = run_items(best[1].items, planner.target.blocks, {})
         # NOTE [paired rounds], over twice the rounds a selection takes.
         overheads = paired_overheads(planner.target, runners, 2 * repeats)
         row.plan_overhead = statistics.median(overheads["plan"])
@@ -584,7 +584,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         with frozen_heap():  # NOTE [frozen heap] in forget._measure
             for name, model, inputs in built:
-                planner = _Planner(
+                planner = Planner(
                     model, inputs, options=options or None, repeats=args.repeats, split=args.split
                 )
                 results.append(_plan_budgets(name, planner, labels, args.algorithm, args.repeats))

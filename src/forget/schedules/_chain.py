@@ -132,7 +132,7 @@ class Stage:
         options: partial keeps the optimal planner may choose instead of a full keep.
         param_grad_bytes: gradients of the stage's parameters, written by its
             backward and alive to the end of the step (NOTE [parameter
-            gradients] in `forget.plan._schedule`); 0 by default.
+            gradients] in `forget.schedules._schedule`); 0 by default.
     """
 
     name: str

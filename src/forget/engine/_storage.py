@@ -1,0 +1,41 @@
+"""Storage identity: one helper for "which memory does this tensor use".
+
+The engine asks whether two tensors share memory (a saved tensor an op of the
+region made, an argument an op wrote into) by `storage_key`, the device and
+address of the tensor's storage: cheap, and equal for every view of one
+storage. The ledger follows a storage *object* (its records must survive a
+``resize_``, which moves the address), so it keys by the object `storage_of`
+returns; torch keeps one Python object per live storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["StorageKey", "storage_key", "storage_of", "view_key"]
+
+StorageKey = tuple[torch.device, int]
+
+
+def storage_of(t: Any) -> torch.UntypedStorage | None:
+    """The storage of a dense tensor, or ``None`` (sparse, meta, storage-less subclass)."""
+    if isinstance(t, torch.UntypedStorage):
+        return None if t.device.type == "meta" else t
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
+    """The device and address of ``t``'s storage: equal for every view of one storage."""
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """`storage_key` plus the view's offset, shape and stride: equal for the same view."""
+    return (*storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()))

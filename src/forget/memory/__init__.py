@@ -1,0 +1,37 @@
+"""Exact memory figures: the ledger, the allocator probes, reports, `saved`.
+
+- `_ledger`: the dispatch mode that counts every storage a call makes
+  (NOTE [the ledger]) and `region` marks.
+- `_measure`: `measure` by the ledger, the profiler's allocator events or
+  CUDA's allocator (NOTE [the two probes]); `frozen_heap`.
+- `_saved`: `saved`, what a call keeps for backward.
+- `_reports`: the frozen reports they return.
+
+Other packages import the names below, never the underscore modules.
+"""
+
+from ._ledger import Ledger as Ledger
+from ._ledger import region as region
+from ._ledger import watch as watch
+from ._measure import PROBES as PROBES
+from ._measure import frozen_heap as frozen_heap
+from ._measure import measure as measure
+from ._reports import MemoryReport as MemoryReport
+from ._reports import RegionStats as RegionStats
+from ._reports import SavedReport as SavedReport
+from ._reports import SavedTensor as SavedTensor
+from ._saved import saved as saved
+
+__all__ = [
+    "PROBES",
+    "Ledger",
+    "MemoryReport",
+    "RegionStats",
+    "SavedReport",
+    "SavedTensor",
+    "frozen_heap",
+    "measure",
+    "region",
+    "saved",
+    "watch",
+]

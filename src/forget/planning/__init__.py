@@ -1,0 +1,41 @@
+"""The torch side of planning: turn a model into plain numbers, solve, apply, measure.
+
+- `_targets`: what a plan runs (a model or blocks as a chain of stages, one
+  loss), the stages a block offers and the cuts no backward reads.
+- `_timing`: callables timed in interleaved rounds, medians of paired rounds.
+- `_profile`: `profile_chain`, a `forget.schedules.Chain` of exact bytes and
+  median times.
+- `_plan`: `Plan`, a schedule over blocks with its measured figures; it runs,
+  saves and loads.
+- `_planner`: `plan` and the `Planner` behind it (NOTE [measured, not
+  predicted]).
+
+The pure algorithms live in `forget.schedules`, which imports no torch. Other
+packages import the names below, never the underscore modules.
+"""
+
+from ._plan import Plan as Plan
+from ._plan import PlannedSequential as PlannedSequential
+from ._plan import run_items as run_items
+from ._planner import Planner as Planner
+from ._planner import plan as plan
+from ._profile import profile_chain as profile_chain
+from ._targets import untouched as untouched
+from ._targets import zero_grads as zero_grads
+from ._timing import paired_overheads as paired_overheads
+from ._timing import time_rounds as time_rounds
+from ._timing import time_side_by_side as time_side_by_side
+
+__all__ = [
+    "Plan",
+    "PlannedSequential",
+    "Planner",
+    "paired_overheads",
+    "plan",
+    "profile_chain",
+    "run_items",
+    "time_rounds",
+    "time_side_by_side",
+    "untouched",
+    "zero_grads",
+]

@@ -1,0 +1,120 @@
+"""Timing: callables in interleaved rounds, medians, paired differences."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._targets import Block, _Target, untouched, zero_grads
+
+# ---------------------------------------------------------------- profiling
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _step_timer(forward: Callable[[], Any], clear: Callable[[], None]) -> Callable[[], float]:
+    """Time one forward and backward (gradient of ones) of ``forward``."""
+
+    def timed() -> float:
+        clear()
+        start = time.perf_counter()
+        y = forward()
+        if isinstance(y, Tensor) and y.requires_grad:
+            y.backward(torch.ones_like(y))
+        return time.perf_counter() - start
+
+    return timed
+
+
+def _alternating_median_difference(
+    a: Callable[[], float], b: Callable[[], float], repeats: int
+) -> float:
+    """Median of ``a() - b()`` over pairs run back to back (noise hits both alike), >= 0."""
+    a(), b()  # warm up
+    return max(0.0, statistics.median(a() - b() for _ in range(max(3, repeats))))
+
+
+def _pair_starts(n: int) -> list[int]:
+    """The first blocks of the disjoint neighbouring pairs `_region_overhead_s` times."""
+    starts = list(range(0, n - 1, 2))
+    if len(starts) > _REGION_PAIRS:
+        last = len(starts) - 1
+        starts = [starts[round(j * last / (_REGION_PAIRS - 1))] for j in range(_REGION_PAIRS)]
+    return starts
+
+
+def time_rounds(
+    target: _Target, runners: Mapping[Any, Block | None], repeats: int
+) -> dict[Any, list[float]]:
+    """Step times of each runner (``None``: plain), round by round, timed side by side.
+
+    One warm-up round, then ``repeats`` rounds, each running every runner once,
+    so machine noise hits all alike: the ``r``-th time of every runner comes from
+    the same round. The order is shuffled each round (seeded): a runner timed
+    right after a larger one pays for memory the allocator hands back, which a
+    fixed order would charge to the same runner every round. The model is left
+    as it was (`untouched`).
+    """
+    times: dict[Any, list[float]] = {key: [] for key in runners}
+    order = list(runners)
+    rng = random.Random(0)
+    with untouched(target):
+        for round_ in range(repeats + 1):
+            rng.shuffle(order)
+            for key in order:
+                zero_grads(target)
+                start = time.perf_counter()
+                target.step(runners[key])
+                if round_:
+                    times[key].append(time.perf_counter() - start)
+    return times
+
+
+def time_side_by_side(
+    target: _Target, runners: Mapping[Any, Block | None], repeats: int
+) -> dict[Any, float]:
+    """Median step time of each runner (``None``: plain), timed side by side (`time_rounds`)."""
+    return {key: statistics.median(ts) for key, ts in time_rounds(target, runners, repeats).items()}
+
+
+def paired_overheads(
+    target: _Target, runners: Mapping[Any, Block], repeats: int
+) -> dict[Any, list[float]]:
+    """Step-time overhead of each runner over the plain step, round by round.
+
+    NOTE [paired rounds]: the plain step is timed in every round beside the
+    runners (`time_rounds`), and a runner's overhead in a round is its time
+    over plain's *in the same round*, minus one; the median of those is the
+    runner's overhead. A ratio of two medians would let a slow stretch of the
+    machine that fell on plain's steps in some rounds and on a runner's in
+    others count as overhead; paired, what a round shares divides out. The
+    rounds stay paired across runners too, for a ratio's spread (`forget
+    plan`'s 90 % range).
+    """
+    plain = object()
+    rounds = time_rounds(target, {plain: None, **runners}, repeats)
+    base = rounds.pop(plain)
+    return {key: [t / b - 1 for t, b in zip(ts, base, strict=True)] for key, ts in rounds.items()}
+
+
+def _displaces(rounds: Sequence[float], reference: Sequence[float]) -> bool:
+    """NOTE [consistently faster]: faster than ``reference`` in two thirds of the rounds or more."""
+    wins = sum(a < b for a, b in zip(rounds, reference, strict=True))
+    return 3 * wins >= 2 * len(rounds)
+
+
+# Pairs of neighbouring blocks the fixed cost of a region is the median over.
+_REGION_PAIRS = 4
