@@ -177,10 +177,10 @@ def test_kept_draws_under_double_backward():
 @pytest.mark.parametrize("shape", [(1,), (7,), (8,), (4, 16), (3, 5, 11), (64, 0)])
 def test_bits_round_trip_in_logical_order(shape, byteorder, monkeypatch):
     # The int64 gather on little-endian machines, a byte loop elsewhere: same bits.
-    from forget.engine import _state
-    from forget.engine._state import _pack_bits, _unpack_bits_into
+    from forget.engine import _selective
+    from forget.engine._selective import _pack_bits, _unpack_bits_into
 
-    monkeypatch.setattr(_state.sys, "byteorder", byteorder)
+    monkeypatch.setattr(_selective.sys, "byteorder", byteorder)
     torch.manual_seed(0)
     t = torch.empty(shape).bernoulli_(0.5)
     for view in (t, t.transpose(0, -1)):
@@ -482,3 +482,14 @@ def test_kept_draws_give_the_same_bytes_every_run():
         return forget.measure(model.step, x, y, wrap).saved_bytes
 
     assert len({saved() for _ in range(25)}) == 1
+
+
+def test_saves_nothing_and_everything_are_decided_by_identity_not_by_description():
+    # A policy that reads "save nothing" but keeps outputs is not plain forget.
+    lookalike = P.Policy(lambda op, nbytes: P.Action.SAVE, "save nothing")
+    assert str(lookalike) == str(P.save_nothing) and not lookalike.saves_nothing
+    assert not P.Policy(lambda op, nbytes: P.Action.SAVE, "save everything").saves_everything
+    # Copies keep the decision (a deep-copied Forget(policy=...) module, a pickled plan).
+    assert copy.deepcopy(P.save_nothing).saves_nothing
+    assert copy.deepcopy(P.save_everything).saves_everything
+    assert not P.save_nothing.saves_everything and not P.offload_everything.saves_nothing

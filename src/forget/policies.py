@@ -127,25 +127,35 @@ class Policy:
     @property
     def saves_nothing(self) -> bool:
         """True for the plain forget policy (nothing kept, nothing offloaded)."""
-        return self.description == save_nothing.description
+        # By the rule's identity, which a copy of the policy keeps (functions copy as
+        # themselves), so a policy that merely reads "save nothing" does not count.
+        return self.rule is _recompute_every_op
 
     @property
     def saves_everything(self) -> bool:
         """True for `save_everything`: a region under it is plain autograd."""
-        return self.description == save_everything.description
+        return self.rule is _save_every_op
 
 
-def _const(action: Action, description: str) -> Policy:
-    return Policy(lambda op, nbytes: action, description)
+def _recompute_every_op(op: str, nbytes: int) -> Action:
+    return Action.RECOMPUTE
 
 
-save_nothing: Policy = _const(Action.RECOMPUTE, "save nothing")
+def _save_every_op(op: str, nbytes: int) -> Action:
+    return Action.SAVE
+
+
+def _offload_every_op(op: str, nbytes: int) -> Action:
+    return Action.OFFLOAD
+
+
+save_nothing: Policy = Policy(_recompute_every_op, "save nothing")
 """Recompute everything: plain forget."""
 
-save_everything: Policy = _const(Action.SAVE, "save everything")
+save_everything: Policy = Policy(_save_every_op, "save everything")
 """Keep every output: no recomputation, plain autograd's memory."""
 
-offload_everything: Policy = _const(Action.OFFLOAD, "offload everything")
+offload_everything: Policy = Policy(_offload_every_op, "offload everything")
 """Keep every output in host memory."""
 
 

@@ -1,24 +1,25 @@
 """The engine: forgotten regions and what makes their re-run exact.
 
-- `_region`: a region's slots, pack/unpack, re-run, early stop and nesting;
-  `forget`, `run_region`, `compiled_region`.
+- `_region`: a region's slots, pack/unpack, re-run, early stop and nesting.
+- `_forget`: the entry points `forget`, `run_region`, `compiled_region`.
 - `_replay`: the `in_recomputing` flag, RNG and autocast state replayed.
 - `_state`: outside state a region writes (NOTE [state tracking]), through a
   dispatch mode that runs only where a region needs it.
 - `_selective`: a policy's replay: kept op outputs and kept draws.
 - `_offload`, `_regenerate`: saved tensors moved to the host, or rebuilt.
-- `_storage`: storage identity; `_in_turn`: callables run in turn.
+- `_storage`: storage identity; `_in_turn`: callables run in turn;
+  `_hidden`: the engine's own ops, unseen by trackers.
 
 Other packages import the names below, never the underscore modules.
 """
 
+from ._forget import compiled_region as compiled_region
+from ._forget import forget as forget
+from ._forget import run_region as run_region
 from ._in_turn import InTurn as InTurn
 from ._regenerate import regenerating as regenerating
 from ._region import Region as Region
-from ._region import compiled_region as compiled_region
-from ._region import forget as forget
 from ._region import ordinal as ordinal
-from ._region import run_region as run_region
 from ._replay import in_recomputing as in_recomputing
 from ._storage import StorageKey as StorageKey
 from ._storage import storage_key as storage_key

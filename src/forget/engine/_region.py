@@ -38,15 +38,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
+from ._hidden import hidden
 from ._offload import Offloaded, offload, warn_cpu_once
 from ._regenerate import REGION_OUTPUT, rerun_pack, resolve
 from ._replay import AutocastState, RNGState, devices_of, recomputing
@@ -55,12 +55,11 @@ from ._state import (
     StopRecomputation,
     current_values,
     detached,
-    hidden,
     restore,
 )
 from ._storage import storage_key
 
-__all__ = ["Region", "forget", "ordinal", "run_region"]
+__all__ = ["Region", "ordinal"]
 
 
 def ordinal(n: int) -> str:
@@ -217,7 +216,6 @@ class Region:
         self._rng: RNGState | None = None
         self._autocast = AutocastState.capture(d.type for d in self._devices)
         self._meta: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
-        self._ops: list[str] = []
         self._live: dict[int, weakref.ref[_Slot]] = {}
         self._rebuilt: dict[int, torch.Tensor] = {}
         self._pre_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -227,7 +225,6 @@ class Region:
         self._pack_positions: list[int] = []
         self._writers: frozenset[int] = frozenset()
         self._plain_rerun = False
-        self.recomputations = 0
 
     # -- forward -------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> _Slot:
@@ -426,7 +423,6 @@ class Region:
         rng = self._rng.replayed() if self._rng is not None else _null()
         generators = _replayed(self._generators)
         extra = self.recompute_context() if self.recompute_context is not None else _null()
-        self.recomputations += 1
         _packers.stack.append(collect)
         if tracker is not None:
             _packers.trackers.append(tracker)
@@ -563,148 +559,3 @@ class _null:
 def _name(func: Any) -> str:
     name = getattr(func, "__qualname__", None) or type(func).__name__
     return f"'{name}'"
-
-
-def run_region(
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    preserve_rng_state: bool = True,
-    check: bool = True,
-    recompute_context: Callable[[], Any] | None = None,
-    policy: Policy | None = None,
-) -> Any:
-    """Run ``func(*args, **kwargs)`` as a forgotten region and return what it returns.
-
-    Under ``torch.no_grad()`` (or inference mode) nothing is saved for backward,
-    so ``func`` just runs, once. Under `policies.save_everything` nothing is
-    recomputed: ``func`` runs once as plain autograd, which keeps exactly what
-    backward reads (replaying every op output would keep more: views and
-    in-place updates re-run and need their bases).
-    """
-    if not torch.is_grad_enabled() or (policy is not None and policy.saves_everything):
-        return func(*args, **kwargs)
-    if torch.compiler.is_compiling():
-        return compiled_region(func, args, kwargs, preserve_rng_state=preserve_rng_state)
-    region = Region(
-        func,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        check=check,
-        recompute_context=recompute_context,
-        policy=policy,
-    )
-    return region.run_forward()
-
-
-def compiled_region(
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    preserve_rng_state: bool = True,
-    determinism_check: str = "default",
-    context_fn: Callable[[], tuple[Any, Any]] | None = None,
-) -> Any:
-    """Run a region that ``torch.compile`` is tracing: as torch's non-reentrant checkpoint.
-
-    NOTE [compile]: dynamo cannot trace forget's engine (saved-tensor hooks whose
-    pack returns Python objects, a TorchDispatchMode, RNG state capture), so while
-    ``torch.compiler.is_compiling()`` a region is handed to
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which dynamo turns
-    into a recomputed subgraph. Lost there (docs/compile.md): policies (everything
-    is recomputed), the restoring of mutated buffers (BatchNorm running statistics)
-    and ``forget.in_recomputing()``. Eager runs never come here.
-    """
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
-    extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
-    return torch_checkpoint(
-        func,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        **extra,
-        **kwargs,
-    )
-
-
-def _as_input(x: Any, position: int) -> Any:
-    if isinstance(x, np.ndarray):
-        if not np.issubdtype(x.dtype, np.floating):
-            raise TypeError(
-                f"forget: the {ordinal(position)} input is a numpy array of dtype {x.dtype}; "
-                "only floating-point arrays can become tensors that require grad. Convert it "
-                "with torch.from_numpy(x) and pass the tensor."
-            )
-        return torch.from_numpy(x).requires_grad_(True)
-    return x
-
-
-def _check_output(out: Any) -> None:
-    if isinstance(out, torch.Tensor):
-        return
-    if isinstance(out, tuple):
-        for i, o in enumerate(out):
-            if not isinstance(o, torch.Tensor):
-                raise TypeError(
-                    f"forget: the {ordinal(i + 1)} element of the returned tuple is not a "
-                    f"Tensor, but {type(o).__name__}; forget.forget expects func to return a "
-                    "Tensor or a tuple of Tensors (use forget.checkpoint for other outputs)."
-                )
-        return
-    raise TypeError(
-        "forget: a Tensor or a tuple of Tensors is expected from func, but "
-        f"{type(out).__name__} was returned (use forget.checkpoint for other outputs)."
-    )
-
-
-def forget(func: Callable[..., Any], *xs: Any) -> Any:
-    """Call ``func(*xs)`` without storing its intermediate results; recompute them in backward.
-
-    The forward keeps only the inputs (and the RNG state, when ``func`` draws
-    random numbers, and the pre-forward values of buffers it mutates). The first
-    time backward needs an activation of the region, ``func`` runs again, once,
-    with ``forget.in_recomputing()`` true and the same random numbers. Memory of
-    the intermediates is saved at the cost of about one more forward of ``func``.
-    Gradients are those of the plain run, bitwise on CPU.
-
-    Args:
-        func: a callable returning a Tensor or a tuple of Tensors.
-        *xs: its positional inputs: tensors, floating numpy arrays (they become
-            tensors that require grad), or other objects passed as constants.
-
-    Returns:
-        What ``func`` returns: a Tensor, or a tuple of Tensors (a 1-tuple stays one).
-
-    Raises:
-        TypeError: ``func`` is not callable, an input is an integer numpy array,
-            or ``func`` returns something other than a Tensor or tuple of Tensors.
-        ForgetError: in backward, an input was modified in place after the forward,
-            or the recomputation did not rebuild what the forward saved.
-
-    Example:
-        >>> import torch, forget
-        >>> x = torch.ones(3, requires_grad=True)
-        >>> y = forget.forget(lambda a: (a.sin() * a).sum(), x)
-        >>> y.backward()
-        >>> torch.allclose(x.grad, torch.ones(3).sin() + torch.ones(3).cos())
-        True
-    """
-    if not callable(func):
-        raise TypeError(
-            f"forget: func must be callable, but got {type(func).__name__}; pass the "
-            "function itself, e.g. forget.forget(layer, x)."
-        )
-    inputs = tuple(_as_input(x, i + 1) for i, x in enumerate(xs))
-    out = run_region(func, inputs, {})
-    _check_output(out)
-    return out
-
-
-def flatten_tensors(value: Any) -> Sequence[torch.Tensor]:
-    """Tensors found anywhere in a nested structure of lists, tuples and dicts."""
-    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
