@@ -163,6 +163,16 @@ def test_numpy_integer_input_is_a_type_error():
         forget.forget(lambda a: a, np.arange(3, dtype=np.int64))
 
 
+def test_numpy_integer_error_suggests_a_conversion_that_works():
+    # The message's advice, followed, gives a gradient: a float tensor that requires grad.
+    with pytest.raises(TypeError, match=r"torch\.from_numpy\(x\)\.float\(\)") as info:
+        forget.forget(torch.sin, np.arange(4))
+    assert "from_numpy(x).float()" in str(info.value)
+    x = torch.from_numpy(np.arange(4)).float().requires_grad_()
+    forget.forget(torch.sin, x).sum().backward()
+    assert torch.equal(x.grad, torch.cos(x.detach()))
+
+
 def test_non_tensor_inputs_are_constants():
     x = torch.ones(3, requires_grad=True)
     y = forget.forget(lambda a, k, name: (a * k).exp(), x, 3.0, "tag")

@@ -84,8 +84,9 @@ def _as_input(x: Any, position: int) -> Any:
         if not np.issubdtype(x.dtype, np.floating):
             raise TypeError(
                 f"forget: the {ordinal(position)} input is a numpy array of dtype {x.dtype}; "
-                "only floating-point arrays can become tensors that require grad. Convert it "
-                "with torch.from_numpy(x) and pass the tensor."
+                "only floating-point arrays can become tensors that require grad. Pass "
+                "torch.from_numpy(x).float() (a float tensor) if it should get a gradient, "
+                "or torch.from_numpy(x) if it should not (an integer tensor never does)."
             )
         return torch.from_numpy(x).requires_grad_(True)
     return x
