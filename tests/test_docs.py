@@ -29,7 +29,7 @@ MODULES = _modules_with_examples()
 
 def test_examples_are_found():
     assert {
-        "forget.engine._region",
+        "forget.engine._forget",
         "forget.nn",
         "forget.planning._planner",
         "forget.schedules",

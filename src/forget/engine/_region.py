@@ -17,8 +17,9 @@ its inputs through the enclosing region's pack, so the enclosing region
 keeps none of them; they are rebuilt by the enclosing recomputation when the
 inner region needs them.
 
-NOTE [plain re-run]: the dispatch mode of NOTE [state tracking] costs about 25
-us per op on 2 CPU cores (15 us of it torch's Python dispatch). A re-run needs
+NOTE [plain re-run]: the dispatch mode of NOTE [state tracking] costs a call
+into Python per op, most of it torch's Python dispatch itself, which any mode
+pays (figures: benchmarks/measured.md, `python benchmarks/notes.py`). A re-run needs
 it only to put back outside state, to leave running statistics alone, to replay
 a policy's kept outputs or to tell a nested region which tensors are the
 re-run's own. A region whose forward had no policy, wrote into nothing it did

@@ -139,8 +139,8 @@ def _unpack_bits_into(packed: torch.Tensor, target: torch.Tensor) -> None:
     """Write the zeros and ones `_pack_bits` packed into ``target``, in its dtype.
 
     A contiguous target of whole bytes is filled by one lookup in a 256 x 8
-    table of every byte's eight values (four times faster on CPU than
-    unpacking by shifts); any other target by shifts and a copy.
+    table of every byte's eight values (faster on CPU than unpacking by
+    shifts); any other target by shifts and a copy.
     """
     numel = target.numel()
     if target.is_contiguous() and numel % 8 == 0 and numel:

@@ -230,9 +230,10 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     """A detached alias of ``t`` that no tracker sees (a `hidden` ``t.detach()``).
 
     NOTE [hidden aliases]: the engine detaches every tensor it saves or rebuilds.
-    Under a dispatch mode each ``detach`` is a call into Python, about 4 us; for a
-    plain tensor (no subclass whose ``__torch_dispatch__`` must run) the alias is
-    made with Python dispatch off, about 1 us. Subclasses go through `hidden`.
+    Under a dispatch mode each ``detach`` is a call into Python; for a plain
+    tensor (no subclass whose ``__torch_dispatch__`` must run) the alias is made
+    with Python dispatch off, several times cheaper (benchmarks/measured.md).
+    Subclasses go through `hidden`.
     """
     if type(t) in _PLAIN_TYPES:
         with torch._C._DisableTorchDispatch():

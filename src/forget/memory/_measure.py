@@ -57,10 +57,11 @@ def frozen_heap() -> Iterator[None]:
     that the cycles the call leaves are freed before ``end_bytes`` is read. A
     full collection walks every object the collector tracks; with torch's
     compiler modules imported (the first dispatch mode imports them) that is
-    some 185,000 objects, 0.07 to 0.12 s per call here, which was half the time
-    of planning a small model. Objects alive before the block are not garbage
-    the block's calls made, so the block freezes them (``gc.freeze``): the
-    collections inside walk only what the block made, and find the same cycles,
+    hundreds of thousands of objects, a tenth of a second or more per call
+    (benchmarks/measured.md), which was half the time of planning a small
+    model. Objects alive before the block are not garbage the block's calls
+    made, so the block freezes them (``gc.freeze``): the collections inside
+    walk only what the block made, and find the same cycles,
     so every figure is the same. Cycles among the frozen objects wait for the
     block's end (``gc.unfreeze``), as they would wait for any late collection.
     A process that froze objects itself is left as it is (nothing is frozen or

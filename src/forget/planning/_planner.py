@@ -42,9 +42,9 @@ NOTE [monotone in the budget]: one `Planner` planning several budgets
 remembers every schedule it proposed, and a budget's candidates include each
 earlier proposal whose measured peak fits it: a plan at a larger budget is
 chosen among a superset of a smaller budget's, so it is not slower, up to timing
-noise. (Without this a larger budget's bisection probed only above the
-smaller's schedules; on the context-512 GPT, the 50 % plan measured +13.9 %
-where the 35 % plan, which fits 50 % too, measured -3.5 %.) `forget plan`
+noise. (Without this a larger budget's bisection probes only above the
+smaller's schedules, and can return a plan slower than the smaller budget's,
+which fits the larger budget too; benchmarks/measured.md has a case.) `forget plan`
 plans its budgets from the smallest up for this reason.
 """
 
@@ -288,9 +288,8 @@ class Planner:
         NOTE [confirmed on fresh rounds]: the challenger is the best of many
         candidates, so the rounds that chose it flatter it: with ten candidates
         whose true times tie the predicted fastest's, one of them wins two
-        rounds of three by luck more often than not (on the residual MLP at
-        50 %, a schedule predicted 12 % slower came through so, and measured
-        7 % slower than the best uniform segmentation when timed again). So it
+        rounds of three by luck more often than not (benchmarks/measured.md has a
+        case where such a winner measured slower when timed again). So it
         displaces the predicted fastest only if it wins two thirds of a fresh
         set of rounds against it too, rounds that had no part in choosing it.
         """

@@ -36,8 +36,8 @@ served. Cost: ``O(L^3 M)`` time and ``O(L^2 M)`` memory for ``L`` stages and
 ``M`` units, vectorized over the memory axis and the split point with numpy.
 The rows are stored in a frame where every read is a slice (NOTE [gradient
 frame] in `_Tables`), and only the optimal times are tabulated, not the
-choices: 100 stages solve in 0.46-0.49 s on 2 CPU cores, from 1.39 s with a
-gather per split point and an ``argmin`` per entry. The frame widens a row by
+choices, which is about three times faster than a gather per split point and
+an ``argmin`` per entry (benchmarks/measured.md). The frame widens a row by
 the largest activation plus history and by the chain's parameter gradients,
 each at most the store-all peak.
 """
