@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from forget import _bench, cli
+from forget import cli
+from forget.cli import _bench, _common
 from forget.models import MODEL_NAMES, build_model
 
 VARIANTS = ["plain", "torch_checkpoint", "forget"]
@@ -39,7 +40,43 @@ def test_json_schema_is_exact(tiny_run):
             assert type(row["saved_bytes"]) is int
             assert type(row["step_s"]) is float
             assert row["peak_bytes"] >= row["saved_bytes"] >= 0
-            assert row["step_s"] > 0
+
+
+def test_step_time_is_the_median_of_the_interleaved_rounds(monkeypatch, capsys):
+    # The bench times through forget.planning.time_calls: every variant once per
+    # round, --repeats rounds; step_s is each variant's median and the ratios are
+    # variant / plain (and forget / torch_checkpoint), as the note says.
+    rounds = {"plain": [3.0, 1.0, 2.0], "torch_checkpoint": [2.0, 6.0, 4.0]}
+    rounds["forget"] = [9.0, 3.0, 3.0]
+    seen = []
+
+    def fake_time_calls(calls, repeats, *, prepare):
+        seen.append((list(calls), repeats))
+        for key, call in calls.items():  # each call still runs: a real step
+            prepare(key)
+            call()
+        return {key: rounds[key] for key in calls}
+
+    monkeypatch.setattr(_bench, "time_calls", fake_time_calls)
+    argv = ["--size", "tiny", "--repeats", "3", "--models", "mlp", "--no-selective"]
+    assert _bench.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert seen == [(VARIANTS, 3)]
+    plain, torch_, forget_ = (line.split() for line in out[3:6])
+    assert plain[:2] == ["residual_mlp", "plain"]
+    assert (plain[4], plain[7]) == ("2000.0", "1.00x")
+    assert (torch_[0], torch_[3], torch_[6]) == ("torch_checkpoint", "4000.0", "2.00x")
+    assert (forget_[0], forget_[3], forget_[6], forget_[8]) == (
+        "forget",
+        "3000.0",
+        "1.50x",
+        "0.75x",
+    )
+    assert out[6] == (
+        "bytes: exact tensor storages allocated by the step (forget.measure); ratios are "
+        "variant / plain (or / torch_checkpoint), so below 1 is less memory or time; "
+        "buffers: module buffers after the run vs plain."
+    )
 
 
 def test_selective_rows_on_the_gpt_blocks(tiny_run):
@@ -163,7 +200,7 @@ def test_mismatch_is_reported_loudly(monkeypatch, capsys):
 
 def test_runs_without_tqdm_and_says_once_how_to_get_bars(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    monkeypatch.setattr(_bench, "_noted_no_tqdm", False)
+    monkeypatch.setattr(_common, "_noted_no_tqdm", False)
     for _ in range(2):
         assert _bench.main(["--size", "tiny", "--repeats", "1", "--models", "gpt"]) == 0
     out, err = capsys.readouterr()
@@ -173,7 +210,7 @@ def test_runs_without_tqdm_and_says_once_how_to_get_bars(monkeypatch, capsys):
 
 def test_quiet_without_tqdm_says_nothing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    monkeypatch.setattr(_bench, "_noted_no_tqdm", False)
+    monkeypatch.setattr(_common, "_noted_no_tqdm", False)
     assert _bench.main(["--size", "tiny", "--repeats", "1", "--models", "gpt", "--quiet"]) == 0
     assert "torch-forget[cli]" not in capsys.readouterr().err
 
@@ -189,6 +226,10 @@ def test_selective_rows_at_another_shape(capsys):
 
     assert _bench_selective.main(["--size", "tiny", "--repeats", "1", "--width", "32"]) == 0
     out = capsys.readouterr().out
+    assert out.splitlines()[1].split() == [
+        *("variant", "peak", "MiB", "saved", "MiB", "step", "ms"),
+        *("peak/plain", "saved/plain", "time/plain"),  # variant / plain, as the main table
+    ]
     assert [line.split()[0] for line in out.splitlines()[2:7]] == list(_bench_selective.VARIANTS)
 
 

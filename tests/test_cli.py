@@ -46,3 +46,40 @@ def test_python_dash_m_runs_the_same_cli():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: forget COMMAND")
+
+
+def test_demo_help_describes_every_option_with_its_default(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Train an MLP of Linear-BatchNorm-ReLU-Dropout blocks" in out
+    assert out.split("options:\n", 1)[1] == (
+        "  -h, --help         show this help message and exit\n"
+        "  --width WIDTH      features of every block (default: 512)\n"
+        "  --depth DEPTH      number of blocks (default: 8)\n"
+        "  --batch BATCH      samples per step (default: 256)\n"
+        "  --steps STEPS      SGD steps each variant trains (default: 5)\n"
+        "  --repeats REPEATS  timed steps per variant (default: 7)\n"
+    )
+
+
+@pytest.mark.parametrize("flag", ["--width", "--depth", "--batch", "--steps", "--repeats"])
+def test_demo_refuses_a_size_below_one(flag, capsys):
+    assert cli.main(["demo", flag, "0"]) == 2
+    assert capsys.readouterr().err == f"forget: {flag} must be at least 1\n"
+
+
+def test_demo_runs_and_matches_plain(capsys):
+    argv = ["demo", "--width", "8", "--depth", "2", "--batch", "8", "--steps", "2"]
+    assert cli.main([*argv, "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[3:6]] == ["plain", "torch_checkpoint", "forget"]
+    # Every ratio is the variant's figure over the baseline's.
+    assert [line.split(":")[0] for line in lines[7:12]] == [
+        "bytes saved for backward, forget / plain",
+        "peak bytes, forget / plain",
+        "peak bytes, forget / torch_checkpoint",
+        "step time, forget / plain",
+        "step time, forget / torch_checkpoint",
+    ]
+    assert [line.rsplit(" ", 1)[1] for line in lines[-5:-1]] == ["identical"] * 4

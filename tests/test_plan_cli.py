@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
 
-from forget.cli import _plan
+from forget.cli import _common, _plan
 from forget.cli import main as cli_main
 
 HEADER = (
@@ -90,23 +91,23 @@ def test_set_replaces_a_reference_preset(capsys):
 
 
 def test_parse_setting():
-    assert _plan.parse_setting(" context = 512 ") == ("context", 512)
-    assert _plan.parse_setting("dropout=0.0") == ("dropout", 0.0)
-    assert isinstance(_plan.parse_setting("depth=3")[1], int)
+    assert _common.parse_setting(" context = 512 ") == ("context", 512)
+    assert _common.parse_setting("dropout=0.0") == ("dropout", 0.0)
+    assert isinstance(_common.parse_setting("depth=3")[1], int)
 
 
 def test_parse_shape():
-    assert _plan.parse_shape("64,512") == (64, 512)
-    assert _plan.parse_shape("8x3x32x32") == (8, 3, 32, 32)
+    assert _common.parse_shape("64,512") == (64, 512)
+    assert _common.parse_shape("8x3x32x32") == (8, 3, 32, 32)
     for bad in ("", "a,b", "0,4", "-1"):
         with pytest.raises(ValueError, match="--input-shape"):
-            _plan.parse_shape(bad)
+            _common.parse_shape(bad)
 
 
 def test_parse_option_groups_and_ops():
     from forget import policies
 
-    name, policy = _plan.parse_option("sel=linear+ATTENTION+bmm")
+    name, policy = _common.parse_option("sel=linear+ATTENTION+bmm")
     assert name == "sel"
     want = policies.save_outputs_of(*policies.LINEAR, *policies.ATTENTION, "aten.bmm")
     assert policy.description == want.description
@@ -126,7 +127,7 @@ def test_parse_option_groups_and_ops():
 )
 def test_parse_option_errors(option, message):
     with pytest.raises(ValueError, match=message):
-        _plan.parse_option(option)
+        _common.parse_option(option)
 
 
 def test_plan_option_reaches_the_planner(monkeypatch, capsys):
@@ -272,3 +273,115 @@ def test_a_plan_measured_below_plain_has_no_ratio(monkeypatch):
     lines = _plan.format_table([result]).splitlines()
     assert "below plain" in lines[2] and "-0.14x" not in lines[2]
     assert "0.10x" in lines[3]
+
+
+def _nested_plan():
+    from forget import schedules as P
+    from forget.planning import Plan
+
+    chain = P.Chain(tuple(P.Stage(f"s{i}", 1e-3, 8e-4, 2e-3, 100, 100, 400) for i in range(4)))
+    items = (P.Region((P.Keep(0), P.Region((P.Keep(1),)))), P.Region((P.Keep(2),)), P.Keep(3))
+    return Plan(P.Schedule.from_items(chain, items), chain, 1000, 900, 950, 2000, 500)
+
+
+def test_plan_table_shows_regions_and_one_measured_one_predicted_peak():
+    plan = _nested_plan()
+    assert plan.layout == "(0 (1)) (2) 3"
+    assert [row["region"] for row in plan.rows()] == ["R1", "R1.1", "R2", None]
+    lines = str(plan).splitlines()
+    assert lines[1:] == [
+        "  stage          region  decision   depth     kept bytes   recompute",
+        "  s0             R1      forgotten      1              0     0.800ms",
+        "  s1             R1.1    forgotten      2              0     1.600ms",
+        "  s2             R2      forgotten      1              0     0.800ms",
+        "  s3             -       kept           0            400     0.000ms",
+        "  regions: (0 (1)) (2) 3  (stage indices; a bracket is one forget region)",
+        "  peak: measured 900 B (0.45x the plain 2,000 B); predicted 950 B",
+        f"  time: predicted overhead +{100 * plan.predicted_overhead:.1f} % of a plain step",
+    ]
+
+
+def test_plan_of_every_tiny_model_saves_memory_and_reports_progress(tmp_path, monkeypatch):
+    # The smallest sizes plan below the plain peak; progress counts each model's
+    # profile and each budget planned, smallest budget first.
+    class Recorder:
+        def __init__(self, total, enabled, desc, unit):
+            self.total, self.labels = total, []
+            recorders.append(self)
+
+        def update(self, label):
+            self.labels.append(label)
+
+        def close(self):
+            pass
+
+    recorders = []
+    monkeypatch.setattr(_plan, "Progress", Recorder)
+    out_json = tmp_path / "plan.json"
+    argv = ["--size", "tiny", "--budgets", "min,1%", "--repeats", "1", "--quiet"]
+    assert _plan.main([*argv, "--json", str(out_json)]) == 0
+    models = json.loads(out_json.read_text())["models"]
+    for name, model in models.items():
+        assert model["min_feasible_bytes"] < model["plain_peak_bytes"], name
+        assert model["budgets"][1]["infeasible"], name
+    (progress,) = recorders
+    assert progress.total == 9
+    assert progress.labels == [f"{n} {step}" for n in models for step in ("profiled", "1%", "min")]
+
+
+def test_plan_exits_2_when_no_budget_is_planned(capsys):
+    argv = ["--model", "residual_mlp", "--size", "tiny", "--budgets", "1%,2%", "--repeats", "1"]
+    assert _plan.main([*argv, "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    row = out.splitlines()[2].split()
+    assert row[:4] + row[-4:-2] == ["residual_mlp", "1%", "0.001", "infeasible", "min", "feasible"]
+    least = row[-2]
+    assert re.fullmatch(
+        f"forget plan: no budget of residual_mlp could be planned: each lies below the "
+        f"smallest feasible one, {least} B \\(plain peak [0-9,]+ B\\); --budgets min plans at it\n",
+        err,
+    )
+
+
+def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_path, monkeypatch):
+    import torch
+    from matplotlib.figure import Figure
+
+    from forget.models import build_model
+    from forget.planning import Planner
+
+    model = build_model("tiny_gpt", "tiny", seed=0)
+    planner = Planner(model, model.example_input(generator=torch.Generator()), repeats=1)
+    result = _plan._plan_budgets("tiny_gpt", planner, ["min", "90%"], "optimal", 1)
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    _plan.write_pareto([result], tmp_path / "p.png")
+    (ax,) = figures[0].axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines) == [
+        "optimal DP (measured peak, predicted time)",
+        "uniform segments, k = 1..L (measured peak, predicted time)",
+        "store-all (plain, measured)",
+        "forget-all (measured peak, predicted time)",
+        "our plans (measured peak, predicted time)",
+        "our plans (measured peak, measured time, noisy)",
+    ]
+    plans = [row.plan for row in result.rows if row.plan is not None]
+    stars = lines["our plans (measured peak, predicted time)"]
+    assert list(stars.get_ydata()) == pytest.approx([100 * p.predicted_overhead for p in plans])
+    crosses = lines["our plans (measured peak, measured time, noisy)"]
+    assert list(crosses.get_ydata()) == [100 * row.plan_overhead for row in result.rows]
+
+
+def test_plan_of_a_module_that_is_no_chain_points_to_plan_apply():
+    import torch
+
+    import forget
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    with pytest.raises(TypeError, match=r"p\.apply\(model\.layers\), a callable over the blocks"):
+        forget.plan(Net(), torch.randn(2, 4), budget="50%")

@@ -71,3 +71,26 @@ def test_profile_an_infeasible_budget_exits_2_naming_the_minimum(factory_dir, ca
 def test_profile_usage_errors(factory_dir, argv, message, capsys):
     assert _profile.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_profile_takes_min_as_plan_does(factory_dir):
+    out_json = factory_dir / "profile.json"
+    argv = ["user_models:build", "--input-shape", "128,16", "--budget", "min", "--quiet"]
+    assert _profile.main([*argv, "--repeats", "1", "--json", str(out_json)]) == 0
+    plan = json.loads(out_json.read_text())["plan"]
+    assert plan["budget_bytes"] == plan["min_feasible_bytes"] < plan["plain_peak_bytes"]
+
+
+def test_an_infeasible_profile_says_what_it_wrote(factory_dir, capsys):
+    png, out_json = factory_dir / "timeline.png", factory_dir / "profile.json"
+    argv = ["user_models:build", "--input-shape", "128,16", "--budget", "1000", "--quiet"]
+    argv += ["--repeats", "1", "--timeline", str(png), "--json", str(out_json)]
+    assert _profile.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.endswith("; --budget min plans at the smallest\n")
+    assert out.splitlines()[-2:] == [
+        f'wrote {out_json}: the ledger and the plain timeline as JSON; "plan" is null: '
+        "no plan for the budget 1000",
+        f"wrote {png}: live memory over one plain step only: no plan for the budget 1000",
+    ]
+    assert json.loads(out_json.read_text())["plan"] is None

@@ -504,15 +504,17 @@ _FACTORIES: dict[str, Callable[..., BlockModel]] = {
 
 # Per model and size, the factory's keyword arguments. "default" runs one
 # training step in well under a second on 2 CPU cores; "quick" keeps the whole
-# `forget bench --quick` within seconds; "tiny" is for unit tests.
+# `forget bench --quick` within seconds; "tiny" is for unit tests, with batches
+# large enough that activations outweigh the weights and their gradients, so
+# that planning saves memory on every model (`forget plan --size tiny`).
 _PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "residual_mlp": {
-        "tiny": {"width": 16, "depth": 3, "in_features": 8, "batch_size": 4},
+        "tiny": {"width": 16, "depth": 3, "in_features": 8, "batch_size": 64},
         "quick": {"width": 64, "depth": 8, "in_features": 64, "batch_size": 512},
         "default": {},
     },
     "small_cnn": {
-        "tiny": {"channels": 4, "depth": 3, "image_size": 8, "batch_size": 4},
+        "tiny": {"channels": 4, "depth": 3, "image_size": 8, "batch_size": 16},
         "quick": {"channels": 16, "depth": 4, "image_size": 32, "batch_size": 16},
         "default": {},
     },

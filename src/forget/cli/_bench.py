@@ -12,9 +12,9 @@ inputs:
 Memory is the exact byte count of tensor storages from ``forget.measure``
 (``peak_bytes`` over the step, ``saved_bytes`` kept for backward), so it is
 the same on every run and machine. Time is the median over ``--repeats``
-steps, variants interleaved (the order rotates each repeat) after one warm-up
-step each, and is reported as ratios within the run: absolute seconds depend
-on the machine, ratios much less so.
+steps, variants interleaved (`forget.planning.time_calls`) after a warm-up,
+and is reported as ratios within the run, variant / plain: absolute seconds
+depend on the machine, ratios much less so.
 
 The bench also checks correctness: the three variants must compute the same
 loss and gradients bit for bit (CPU), and the ``forget`` variant must leave
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,12 +43,13 @@ from torch import Tensor, nn
 import forget
 from forget import ForgetError
 
-from ..models import MODEL_NAMES, SIZES, BlockModel, BlockWrapper, build_model
+from ..memory import MIB
+from ..models import MODEL_NAMES, SIZES, BlockWrapper, build_model
+from ..planning import time_calls
+from ._common import Progress, mib, require_matplotlib, wrote
 
 VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")
 ALIASES: dict[str, str] = {"mlp": "residual_mlp", "cnn": "small_cnn", "gpt": "tiny_gpt"}
-PLOT_HINT = "forget: --plot needs matplotlib; install it with pip install 'torch-forget[plot]'"
-_MIB = 1024 * 1024
 
 
 def _torch_checkpoint(block: nn.Module, h: Tensor) -> Tensor:
@@ -98,11 +99,6 @@ def _measure(fn: Callable[[], Any]) -> _Measured:
     return _Measured(report.peak_bytes, report.saved_bytes)
 
 
-def _train_step(model: BlockModel, wrap: BlockWrapper | None, x: Tensor, target: Tensor) -> Tensor:
-    model.zero_grad(set_to_none=True)
-    return model.step(x, target, wrap)
-
-
 class _Runner:
     """The three variants of one model, each on its own copy of a pristine model."""
 
@@ -116,11 +112,20 @@ class _Runner:
         # variant, and one variant's updates never leak into another's.
         self.models = {v: copy.deepcopy(pristine) for v in VARIANTS}
 
-    def step(self, variant: str) -> Tensor:
+    def prepare(self, variant: str) -> None:
+        """Ready ``variant`` for a step: no gradients, the seed every step starts from."""
         # Same seed before every step: dropout draws the same masks in every
         # variant, so losses and gradients are comparable bit for bit.
+        self.models[variant].zero_grad(set_to_none=True)
         torch.manual_seed(self.seed)
-        return _train_step(self.models[variant], WRAPPERS[variant], self.x, self.target)
+
+    def run(self, variant: str) -> Tensor:
+        """One training step of ``variant`` as it stands (`prepare` first)."""
+        return self.models[variant].step(self.x, self.target, WRAPPERS[variant])
+
+    def step(self, variant: str) -> Tensor:
+        self.prepare(variant)
+        return self.run(variant)
 
     def measure(self, variant: str) -> _Measured:
         return _measure(lambda: self.step(variant))
@@ -146,42 +151,6 @@ def _same(a: Mapping[str, Tensor | None], b: Mapping[str, Tensor | None]) -> lis
         elif not torch.equal(x, y):
             bad.append(key)
     return bad
-
-
-_NO_TQDM_NOTE = (
-    "forget: no progress bars: tqdm is not installed; "
-    "pip install 'torch-forget[cli]' adds them (--quiet hides this note)."
-)
-_noted_no_tqdm = False
-
-
-class _Progress:
-    """A tqdm bar when tqdm is installed and not ``--quiet``; otherwise nothing.
-
-    Without tqdm the first bar of the process says once, on stderr, how to get one.
-    """
-
-    def __init__(self, total: int, enabled: bool, desc: str = "forget bench") -> None:
-        global _noted_no_tqdm
-        self._bar: Any = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                if not _noted_no_tqdm:
-                    _noted_no_tqdm = True
-                    print(_NO_TQDM_NOTE, file=sys.stderr)
-                return
-            self._bar = tqdm(total=total, desc=desc, unit="step", leave=False)
-
-    def update(self, label: str) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix_str(label, refresh=False)
-            self._bar.update(1)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 @dataclass
@@ -221,25 +190,19 @@ def run(
     results: dict[str, dict[str, VariantResult]] = {}
     buffers_match: dict[str, dict[str, bool]] = {}
     problems: list[str] = []
-    bar = _Progress(len(names) * len(VARIANTS) * (repeats + 2), progress)
+    # Per model: the checked warm-up, the measured step, the timed rounds.
+    bar = Progress(3 * len(names), progress, desc="forget bench", unit="task")
     with _private_rng():
         try:
             for name in names:
                 runner = _Runner(name, size, seed)
-                _check(runner, bar, problems)
-                reports = {}
-                for v in VARIANTS:
-                    reports[v] = runner.measure(v)
-                    bar.update(f"{name} {v} measure")
-                times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-                for r in range(repeats):
-                    # Rotate the order so that drift (thermal, other load) hits all alike.
-                    order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
-                    for v in order:
-                        t0 = time.perf_counter()
-                        runner.step(v)
-                        times[v].append(time.perf_counter() - t0)
-                        bar.update(f"{name} {v}")
+                _check(runner, problems)
+                bar.update(f"{name} checked")
+                reports = {v: runner.measure(v) for v in VARIANTS}
+                bar.update(f"{name} measured")
+                calls = {v: functools.partial(runner.run, v) for v in VARIANTS}
+                times = time_calls(calls, repeats, prepare=runner.prepare)
+                bar.update(f"{name} timed")
                 results[name] = {
                     v: VariantResult(
                         peak_bytes=int(reports[v].peak_bytes),
@@ -268,13 +231,12 @@ def run(
     return BenchResult(results, buffers_match, problems, meta)
 
 
-def _check(runner: _Runner, bar: _Progress, problems: list[str]) -> None:
+def _check(runner: _Runner, problems: list[str]) -> None:
     """Warm every variant up once and check losses and gradients against plain."""
     losses, grads = {}, {}
     for v in VARIANTS:
         losses[v] = runner.step(v)
         grads[v] = runner.grads(v)
-        bar.update(f"{runner.name} {v} warm-up")
     for v in VARIANTS[1:]:
         if not torch.equal(losses["plain"], losses[v]):
             problems.append(
@@ -289,16 +251,12 @@ def _check(runner: _Runner, bar: _Progress, problems: list[str]) -> None:
 # ---------------------------------------------------------------- reporting
 
 
-def _fmt_bytes(n: int) -> str:
-    return f"{n / _MIB:.3f}"
-
-
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
 def format_table(result: BenchResult) -> str:
-    """Render the run as a fixed-width table: bytes in MiB, time in ms, ratios."""
+    """Render the run as a fixed-width table: bytes in MiB, time in ms, ratios variant / base."""
     header = (
         "model",
         "variant",
@@ -322,8 +280,8 @@ def format_table(result: BenchResult) -> str:
                 (
                     name if v == "plain" else "",
                     v,
-                    _fmt_bytes(r.peak_bytes),
-                    _fmt_bytes(r.saved_bytes),
+                    mib(r.peak_bytes),
+                    mib(r.saved_bytes),
                     f"{r.step_s * 1e3:.1f}",
                     _ratio(r.peak_bytes, plain.peak_bytes),
                     _ratio(r.saved_bytes, plain.saved_bytes),
@@ -356,7 +314,7 @@ def write_plot(result: BenchResult, path: Path) -> None:
     for k, v in enumerate(VARIANTS):
         xs = [i + (k - (len(VARIANTS) - 1) / 2) * width for i in range(len(names))]
         per = [result.results[n][v] for n in names]
-        mem_ax.bar(xs, [r.peak_bytes / _MIB for r in per], width, label=v)
+        mem_ax.bar(xs, [r.peak_bytes / MIB for r in per], width, label=v)
         plain = [result.results[n]["plain"].step_s for n in names]
         time_ax.bar(xs, [r.step_s / p for r, p in zip(per, plain, strict=True)], width, label=v)
     for ax in (mem_ax, time_ax):
@@ -442,9 +400,9 @@ def main(argv: Sequence[str]) -> int:
     size = args.size or ("quick" if args.quick else "default")
     if args.plot is not None:
         try:
-            import matplotlib  # noqa: F401  (fail before the run, not after it)
-        except ImportError:
-            print(PLOT_HINT, file=sys.stderr)
+            require_matplotlib("--plot")
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
             return 2
 
     result = run(names, size=size, repeats=args.repeats, seed=args.seed, progress=not args.quiet)
@@ -459,7 +417,8 @@ def main(argv: Sequence[str]) -> int:
     if not args.quiet:
         print(
             "bytes: exact tensor storages allocated by the step (forget.measure); "
-            "ratios < 1 are better; buffers: module buffers after the run vs plain."
+            "ratios are variant / plain (or / torch_checkpoint), so below 1 is less memory "
+            "or time; buffers: module buffers after the run vs plain."
         )
     payload = result.as_json()
     if "tiny_gpt" in names and not args.no_selective:
@@ -474,8 +433,11 @@ def main(argv: Sequence[str]) -> int:
             result.problems.append(f"selective: loss differs from plain in {', '.join(bad)}")
     if args.json is not None:
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.json is not None:
+        wrote(args.json, "the tables' figures as JSON")
     if args.plot is not None:
         write_plot(result, args.plot)
+        wrote(args.plot, "peak MiB and step time / plain, per model and variant")
     if result.problems:
         print(
             "forget bench: MISMATCH -- the variants do not compute the same step:", file=sys.stderr

@@ -10,7 +10,7 @@ trade-off curves: peak bytes against step-time overhead.
 from __future__ import annotations
 
 import argparse
-import importlib
+import functools
 import json
 import random
 import statistics
@@ -22,17 +22,27 @@ from typing import Any
 
 import torch
 
-from .. import policies
 from .. import schedules as P
 from ..errors import BudgetInfeasibleError
-from ..memory import frozen_heap
-from ..models import MODEL_NAMES, SIZES, BlockModel, build_model, model_settings
+from ..memory import MIB, frozen_heap
+from ..models import MODEL_NAMES, SIZES
 from ..planning import Plan, Planner, paired_overheads, run_items, time_side_by_side
 from ..policies import Policy
+from ._common import (
+    BUDGET_HELP,
+    OPTION_GROUPS,
+    Progress,
+    check_budget,
+    mib,
+    model_and_inputs,
+    parse_option,
+    parse_setting,
+    require_matplotlib,
+    resolve_budget,
+    wrote,
+)
 
-PLOT_HINT = "forget: --pareto needs matplotlib; install it with pip install 'torch-forget[plot]'"
 DEFAULT_BUDGETS = "75%,50%,35%,min"
-_MIB = 1024 * 1024
 
 
 @dataclass
@@ -63,7 +73,7 @@ class BudgetRow:
         out.update(
             measured_peak_bytes=self.plan.measured_peak_bytes,
             predicted_peak_bytes=self.plan.predicted_peak_bytes,
-            schedule=_items_text(self.plan.schedule),
+            schedule=self.plan.layout,
             plan_overhead=self.plan_overhead,
             predicted_overhead=self.plan.predicted_overhead,
             uniform_segments=self.uniform_segments,
@@ -95,11 +105,6 @@ class ModelResult:
         }
 
 
-def _items_text(schedule: P.Schedule) -> str:
-    text = str(schedule)
-    return text.split("] ", 1)[1].split(":", 1)[0] if "] " in text else text
-
-
 # ------------------------------------------------------------------ timing
 
 
@@ -109,13 +114,16 @@ def _uniform_schedules(planner: Planner) -> list[tuple[int, P.Schedule]]:
 
 
 def _plan_budgets(
-    name: str, planner: Planner, labels: Sequence[str], algorithm: str, repeats: int
+    name: str,
+    planner: Planner,
+    labels: Sequence[str],
+    algorithm: str,
+    repeats: int,
+    done: Callable[[str], None] = lambda label: None,
 ) -> ModelResult:
+    """Plan and time every budget of one model; ``done(label)`` after each budget."""
     min_feasible = planner.plan(planner.plain_peak, algorithm=algorithm).min_feasible_bytes
-    budgets = {
-        label: min_feasible if label == "min" else P.parse_budget(label, planner.plain_peak)
-        for label in labels
-    }
+    budgets = {label: resolve_budget(label, planner.plain_peak, min_feasible) for label in labels}
     rows: list[BudgetRow] = []
     # NOTE [monotone in the budget]: the smallest budget first, so that each larger
     # one has the smaller ones' schedules among its candidates; rows keep the order.
@@ -126,6 +134,7 @@ def _plan_budgets(
             row.plan = planner.plan(budget, algorithm=algorithm)
         except BudgetInfeasibleError:
             rows.append(row)
+            done(label)
             continue
         fitting = [
             (k, s, planner.trials.peak(s))
@@ -165,6 +174,7 @@ def _plan_budgets(
             if uniform_extra_s > 0:
                 row.predicted_ratio = row.plan.schedule.predicted_overhead_s / uniform_extra_s
         rows.append(row)
+        done(label)
     rows.sort(key=lambda row: list(labels).index(row.label))
     return ModelResult(name, planner.plain_peak, min_feasible, rows, planner)
 
@@ -199,10 +209,6 @@ def ratio_range(
 # ------------------------------------------------------------------ output
 
 
-def _mib(n: int) -> str:
-    return f"{n / _MIB:.3f}"
-
-
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:+.1f}%"
 
@@ -234,7 +240,7 @@ def format_table(results: Sequence[ModelResult]) -> str:
             first = result.name if i == 0 else ""
             if row.plan is None:
                 rows.append(
-                    (first, row.label, _mib(row.budget_bytes), "infeasible", "", "", "", "", "", "",
+                    (first, row.label, mib(row.budget_bytes), "infeasible", "", "", "", "", "", "",
                      "", "", f"min feasible {row.min_feasible_bytes:,} B")
                 )  # fmt: skip
                 continue
@@ -250,17 +256,17 @@ def format_table(results: Sequence[ModelResult]) -> str:
                 (
                     first,
                     row.label,
-                    _mib(row.budget_bytes),
-                    _mib(row.plan.measured_peak_bytes),
+                    mib(row.budget_bytes),
+                    mib(row.plan.measured_peak_bytes),
                     f"{row.plan.measured_peak_bytes / row.budget_bytes:.3f}",
                     _pct(row.plan_overhead),
                     "" if row.uniform_segments is None else f"{row.uniform_segments} seg",
-                    "" if row.uniform_peak_bytes is None else _mib(row.uniform_peak_bytes),
+                    "" if row.uniform_peak_bytes is None else mib(row.uniform_peak_bytes),
                     _pct(row.uniform_overhead) or "none fits",
                     ratio,
                     _range_text(row) if ratio.endswith("x") else "",
                     "" if row.predicted_ratio is None else f"{row.predicted_ratio:.2f}x",
-                    _items_text(row.plan.schedule),
+                    row.plan.layout,
                 )
             )
     widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
@@ -276,7 +282,11 @@ def format_table(results: Sequence[ModelResult]) -> str:
 
 
 def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
-    """Write a PNG: per model, peak memory against step-time overhead."""
+    """Write a PNG: per model, peak memory against step-time overhead.
+
+    Every point's peak is measured (exact, one step each); every time is the
+    planner's prediction, except the plans' measured times (crosses).
+    """
     from matplotlib.figure import Figure  # lazy: an optional extra
 
     fig = Figure(figsize=(5.2 * len(results), 4.4), layout="constrained")
@@ -296,22 +306,22 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
         )
         uni = [(k, s, planner.trials.peak(s)) for k, s in _uniform_schedules(planner)]
         ax.plot(
-            [peak / _MIB for peak, _ in dp],
+            [peak / MIB for peak, _ in dp],
             [100 * overhead / base for _, overhead in dp],
             "o-",
             markersize=3,
             label="optimal DP (measured peak, predicted time)",
         )
         ax.plot(
-            [peak / _MIB for _, _, peak in uni],
+            [peak / MIB for _, _, peak in uni],
             [100 * s.predicted_overhead_s / base for _, s, _ in uni],
             "s",
-            label="uniform segments, k = 1..L (same)",
+            label="uniform segments, k = 1..L (measured peak, predicted time)",
         )
         for k, s, peak in uni:
             ax.annotate(
                 f"k={k}",
-                (peak / _MIB, 100 * s.predicted_overhead_s / base),
+                (peak / MIB, 100 * s.predicted_overhead_s / base),
                 fontsize=7,
                 xytext=(3, 3),
                 textcoords="offset points",
@@ -319,164 +329,45 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
         blocks = len(result.planner.block_sizes)
         forget_all = result.planner.on_blocks(P._baselines.forget_each_items(blocks), "forget_each")
         ax.plot(
-            [result.plain_peak_bytes / _MIB],
+            [result.plain_peak_bytes / MIB],
             [0.0],
             "k^",
             markersize=9,
             label="store-all (plain, measured)",
         )
         ax.plot(
-            [result.planner.trials.peak(forget_all) / _MIB],
+            [result.planner.trials.peak(forget_all) / MIB],
             [100 * forget_all.predicted_overhead_s / base],
             "kv",
             markersize=9,
-            label="forget-all (measured peak)",
+            label="forget-all (measured peak, predicted time)",
         )
-        planned = [r for r in result.rows if r.plan is not None]
+        # Like with like: the plans on the curves' axes (measured peak, predicted time),
+        # and beside them their measured time, which carries the run's timing noise.
+        planned = [r.plan for r in result.rows if r.plan is not None]
         ax.plot(
-            [r.plan.measured_peak_bytes / _MIB for r in planned if r.plan],
-            [100 * r.plan_overhead for r in planned],
+            [p.measured_peak_bytes / MIB for p in planned],
+            [100 * p.predicted_overhead for p in planned],
             "r*",
             markersize=11,
-            label="our plans (measured)",
+            label="our plans (measured peak, predicted time)",
+        )
+        measured = [r for r in result.rows if r.plan is not None]
+        ax.plot(
+            [r.plan.measured_peak_bytes / MIB for r in measured if r.plan],
+            [100 * r.plan_overhead for r in measured],
+            "rx",
+            markersize=7,
+            label="our plans (measured peak, measured time, noisy)",
         )
         ax.set_xlabel("peak memory of one step (MiB)")
-        ax.set_ylabel("step-time overhead vs plain (%)")
+        ax.set_ylabel("step-time overhead vs plain (%): predicted, except x")
         split = f", {len(chain)} stages" if len(chain) != blocks else ""
         ax.set_title(f"{result.name} ({blocks} blocks{split})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("forget plan: peak memory vs recomputation overhead")
     fig.savefig(path, dpi=120)
-
-
-# ------------------------------------------------------------------ models
-
-
-def load_factory(spec: str) -> Callable[[], Any]:
-    """Return the callable named by ``module:factory`` (``pkg.models:build``)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"forget: expected a model name ({', '.join(MODEL_NAMES)}) or module:factory, "
-            f"got {spec!r}"
-        )
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"forget: cannot import {module_name!r}: {exc}") from exc
-    finally:
-        sys.path.pop(0)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"forget: {module_name}.{attr} is not a callable factory")
-    return factory  # type: ignore[no-any-return]
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """Parse ``--input-shape 64,512`` (commas or x) into a tuple of positive ints."""
-    try:
-        shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
-    except ValueError:
-        shape = ()
-    if not shape or any(s <= 0 for s in shape):
-        raise ValueError(f"forget: --input-shape takes positive sizes like 64,512, got {text!r}")
-    return shape
-
-
-def parse_setting(text: str) -> tuple[str, int | float]:
-    """``"context=512"`` -> ``("context", 512)``; ``"dropout=0.0"`` -> ``("dropout", 0.0)``."""
-    key, sep, value = text.partition("=")
-    key, value = key.strip(), value.strip()
-    number: int | float | None = None
-    for kind in (int, float):
-        try:
-            number = kind(value)
-            break
-        except ValueError:
-            continue
-    if not sep or not key.isidentifier() or number is None:
-        raise ValueError(
-            f"forget: --set takes KEY=NUMBER, e.g. context=512 or dropout=0.0, got {text!r}"
-        )
-    return key, number
-
-
-def model_and_inputs(
-    spec: str,
-    size: str,
-    seed: int,
-    input_shape: str | None,
-    settings: dict[str, int | float] | None = None,
-) -> tuple[str, Any, tuple[Any, ...]]:
-    """Build a reference model by name, or a user's ``module:factory``, and sample inputs.
-
-    ``settings`` (``--set``) replace a reference model's preset keyword arguments.
-    """
-    if settings and spec not in MODEL_NAMES:
-        raise ValueError(f"forget: --set changes reference models only, not {spec}")
-    if spec in MODEL_NAMES:
-        settings = settings or {}
-        known = model_settings(spec, size)
-        unknown = sorted(settings.keys() - known.keys())
-        if unknown:
-            raise ValueError(
-                f"forget: --set {', '.join(unknown)}: {spec} takes "
-                + ", ".join(f"{k} (now {v})" for k, v in known.items())
-            )
-        try:
-            model: Any = build_model(spec, size, seed=seed, **settings)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"forget: --set for {spec}: {str(exc).removeprefix('forget: ')}"
-            ) from exc
-    else:
-        factory = load_factory(spec)
-        torch.manual_seed(seed)
-        try:
-            model = factory()
-        except Exception as exc:  # a user's factory: report it as a usage error
-            raise ValueError(f"forget: {spec}() raised {type(exc).__name__}: {exc}") from exc
-    generator = torch.Generator().manual_seed(seed)
-    if isinstance(model, BlockModel):
-        return spec, model, model.example_input(generator=generator)
-    if input_shape is None:
-        raise ValueError(
-            f"forget: {spec} is not a reference model; give its input with --input-shape N,D"
-        )
-    return spec, model, (torch.randn(parse_shape(input_shape), generator=generator),)
-
-
-_GROUPS = ("LINEAR", "CONV", "ATTENTION", "DROPOUT", "MATMUL")
-
-
-def parse_option(text: str) -> tuple[str, Policy]:
-    """``"sel=LINEAR+ATTENTION"`` -> ``("sel", save_outputs_of(*LINEAR, *ATTENTION))``.
-
-    Each ``+``-joined part is a group of `forget.policies` (any case) or an aten
-    op name (``bmm``, ``aten.bmm``). ``NAME=REGENERATE`` keeps the stage and
-    rebuilds GELU / SiLU / LayerNorm outputs and dropout products and masks in
-    backward (`forget.policies.regenerate`).
-    """
-    name, sep, ops = text.partition("=")
-    name, ops = name.strip(), ops.strip()
-    if not sep or not name or not ops:
-        raise ValueError(
-            f"forget: --option takes NAME=OPS, e.g. sel=LINEAR+ATTENTION+DROPOUT, got {text!r}"
-        )
-    if name in ("kept", "forgotten"):
-        raise ValueError(f"forget: --option name {name!r} is taken; choose another")
-    if ops.upper() == "REGENERATE":
-        return name, policies.regenerate()
-    names: list[str] = []
-    for part in ops.split("+"):
-        part = part.strip()
-        if not part:
-            raise ValueError(f"forget: --option {text!r} has an empty op between '+'")
-        group = part.upper()
-        names.extend(getattr(policies, group) if group in _GROUPS else (part,))
-    return name, policies.save_outputs_of(*names)
 
 
 # ------------------------------------------------------------------ CLI
@@ -507,7 +398,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budgets",
         default=DEFAULT_BUDGETS,
-        help="comma-separated: shares, sizes or 'min' (default %(default)s)",
+        help=f"comma-separated budgets, each {BUDGET_HELP} (default %(default)s)",
     )
     p.add_argument("--algorithm", default="optimal", help="planner name (default optimal)")
     p.add_argument(
@@ -517,7 +408,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=OPS",
         help=(
             "a partial keep the planner may choose per stage: keep the outputs of OPS, "
-            f"+-joined groups ({', '.join(_GROUPS)}) or aten ops, e.g. "
+            f"+-joined groups ({', '.join(OPTION_GROUPS)}) or aten ops, e.g. "
             "sel=LINEAR+CONV+ATTENTION+DROPOUT; or NAME=REGENERATE: keep the stage and "
             "rebuild its GELU/SiLU/LayerNorm outputs and dropout products and masks in backward, "
             "at the top level or in a region's re-run (repeatable)"
@@ -542,8 +433,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _budget_done(progress: Progress, name: str, label: str) -> None:
+    progress.update(f"{name} {label}")
+
+
 def main(argv: Sequence[str]) -> int:
-    """Run ``forget plan``; return the exit status (0 ok, 2 usage)."""
+    """Run ``forget plan``; return the exit status (0 ok, 2 usage or a model with no plan)."""
     try:
         args = _parser().parse_args(list(argv))
     except SystemExit as exc:
@@ -555,8 +450,7 @@ def main(argv: Sequence[str]) -> int:
         if args.repeats < 1:
             raise ValueError(f"forget: --repeats must be at least 1, got {args.repeats}")
         for label in labels:
-            if label != "min":
-                P.parse_budget(label, 1 << 40)
+            check_budget(label)
         if not labels:
             raise ValueError("forget: --budgets is empty")
         options: dict[str, Policy] = {}
@@ -566,10 +460,7 @@ def main(argv: Sequence[str]) -> int:
                 raise ValueError(f"forget: --option {name!r} is given twice")
             options[name] = policy
         if args.pareto is not None:
-            try:
-                import matplotlib  # noqa: F401  (fail before the run, not after it)
-            except ImportError:
-                raise ValueError(PLOT_HINT) from None
+            require_matplotlib("--pareto")
         settings = dict(parse_setting(text) for text in args.set)
         built = [
             model_and_inputs(s, args.size, args.seed, args.input_shape, settings) for s in specs
@@ -577,9 +468,10 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    from ._bench import _Progress
-
-    progress = _Progress(len(built), enabled=not args.quiet, desc="forget plan")
+    # One unit per model profiled and per budget planned and timed.
+    progress = Progress(
+        len(built) * (1 + len(labels)), enabled=not args.quiet, desc="forget plan", unit="task"
+    )
     results = []
     try:
         with frozen_heap():  # NOTE [frozen heap] in forget._measure
@@ -587,8 +479,11 @@ def main(argv: Sequence[str]) -> int:
                 planner = Planner(
                     model, inputs, options=options or None, repeats=args.repeats, split=args.split
                 )
-                results.append(_plan_budgets(name, planner, labels, args.algorithm, args.repeats))
-                progress.update(name)
+                progress.update(f"{name} profiled")
+                done = functools.partial(_budget_done, progress, name)
+                results.append(
+                    _plan_budgets(name, planner, labels, args.algorithm, args.repeats, done)
+                )
     finally:
         progress.close()
     if not args.quiet:
@@ -616,6 +511,16 @@ def main(argv: Sequence[str]) -> int:
     if args.json is not None:
         payload = {"models": {r.name: r.as_json() for r in results}}
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        wrote(args.json, "the table's figures as JSON")
     if args.pareto is not None:
         write_pareto(results, args.pareto)
-    return 0
+        wrote(args.pareto, "peak memory against step-time overhead, per model")
+    unplanned = [r for r in results if all(row.plan is None for row in r.rows)]
+    for r in unplanned:
+        print(
+            f"forget plan: no budget of {r.name} could be planned: each lies below the "
+            f"smallest feasible one, {r.min_feasible_bytes:,} B (plain peak "
+            f"{r.plain_peak_bytes:,} B); --budgets min plans at it",
+            file=sys.stderr,
+        )
+    return 2 if unplanned else 0

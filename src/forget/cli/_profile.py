@@ -18,14 +18,19 @@ from typing import Any
 
 import torch
 
-from .. import schedules as P
 from ..errors import BudgetInfeasibleError
-from ..memory import Ledger, watch
+from ..memory import MIB, Ledger, format_bytes, watch
 from ..models import SIZES
 from ..planning import Plan, Planner, untouched, zero_grads
-from ._plan import PLOT_HINT, model_and_inputs
-
-_MIB = 1024 * 1024
+from ._common import (
+    BUDGET_HELP,
+    Progress,
+    check_budget,
+    model_and_inputs,
+    require_matplotlib,
+    resolve_budget,
+    wrote,
+)
 
 
 class _TimelineLedger(Ledger):
@@ -93,7 +98,7 @@ def write_timeline(
         if not samples:
             continue
         xs = [100 * i / max(len(samples) - 1, 1) for i in range(len(samples))]
-        ys = [live / _MIB for live, _ in samples]
+        ys = [live / MIB for live, _ in samples]
         peak = max(ys)
         ax.plot(xs, ys, color=color, linewidth=1.4, label=f"{label}: peak {peak:.2f} MiB")
         start = next((x for x, (_, bwd) in zip(xs, samples, strict=True) if bwd), None)
@@ -109,11 +114,11 @@ def write_timeline(
             )
     if plan is not None:
         ax.axhline(
-            plan.budget_bytes / _MIB,
+            plan.budget_bytes / MIB,
             color="black",
             linestyle="--",
             linewidth=1,
-            label=f"budget {plan.budget_bytes / _MIB:.2f} MiB",
+            label=f"budget {plan.budget_bytes / MIB:.2f} MiB",
         )
     ax.set_xlabel("progress through one training step (% of its ops: forward, then backward)")
     ax.set_ylabel("live tensor memory (MiB, exact storage bytes)")
@@ -135,7 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="module:factory, or a reference model name")
     p.add_argument("--input-shape", help="the input's shape for module:factory, e.g. 64,512")
     p.add_argument("--size", choices=SIZES, default="quick", help="reference model size")
-    p.add_argument("--budget", default="50%", help="budget for the plan (default 50%%)")
+    p.add_argument(
+        "--budget", default="50%", help=f"budget for the plan: {BUDGET_HELP} (default 50%%)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timing repeats (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
     p.add_argument("--timeline", type=Path, metavar="PATH", help="write a memory-timeline PNG")
@@ -153,24 +160,23 @@ def main(argv: Sequence[str]) -> int:
     try:
         if args.repeats < 1:
             raise ValueError(f"forget: --repeats must be at least 1, got {args.repeats}")
-        P.parse_budget(args.budget, 1 << 40)
+        check_budget(args.budget)
         if args.timeline is not None:
-            try:
-                import matplotlib  # noqa: F401  (fail before the run, not after it)
-            except ImportError:
-                raise ValueError(PLOT_HINT.replace("--pareto", "--timeline")) from None
+            require_matplotlib("--timeline")
         name, model, inputs = model_and_inputs(args.model, args.size, args.seed, args.input_shape)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    from ._bench import _Progress
-
-    progress = _Progress(3, enabled=not args.quiet, desc="forget profile")
+    progress = Progress(3, enabled=not args.quiet, desc="forget profile", unit="task")
     try:
         planner = Planner(model, inputs, repeats=args.repeats)
         progress.update("profiled")
+        min_feasible = 0
+        if args.budget == "min":
+            min_feasible = planner.plan(planner.plain_peak).min_feasible_bytes
         try:
-            plan: Plan | None = planner.plan(args.budget)
+            budget = resolve_budget(args.budget, planner.plain_peak, min_feasible)
+            plan: Plan | None = planner.plan(budget)
         except BudgetInfeasibleError as exc:
             plan, infeasible = None, exc
         progress.update("planned")
@@ -181,16 +187,17 @@ def main(argv: Sequence[str]) -> int:
         progress.close()
     print(f"forget profile: {name}, {len(planner.chain)} blocks, torch {torch.__version__}")
     print(
-        f"plain step: peak {planner.plain_peak:,} B ({planner.plain_peak / _MIB:.3f} MiB); "
+        f"plain step: peak {planner.plain_peak:,} B ({format_bytes(planner.plain_peak)}); "
         f"measured minus the block model's prediction: {planner.outside:+,} B "
         "(stem, head, loss and gradients; added to every predicted peak)"
     )
     print(format_ledger(planner))
     print()
     if plan is None:
-        print(str(infeasible), file=sys.stderr)
+        print(f"{infeasible}; --budget min plans at the smallest", file=sys.stderr)
     else:
         print(plan)
+    no_plan = f"no plan for the budget {args.budget}"
     if args.json is not None:
         payload = {
             "model": name,
@@ -206,6 +213,18 @@ def main(argv: Sequence[str]) -> int:
             },
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        wrote(
+            args.json,
+            "the ledger, the plan and the timelines as JSON"
+            if plan is not None
+            else f'the ledger and the plain timeline as JSON; "plan" is null: {no_plan}',
+        )
     if args.timeline is not None:
         write_timeline(args.timeline, name, plain_line, planned_line, plan)
+        wrote(
+            args.timeline,
+            "live memory over one step, plain and planned"
+            if plan is not None
+            else f"live memory over one plain step only: {no_plan}",
+        )
     return 0 if plan is not None else 2

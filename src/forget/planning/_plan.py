@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .. import schedules as P
 from ..engine import InTurn, run_region
+from ..memory import format_bytes
 from ..policies import Policy
 from ._profile import _check_options, _run_option
 from ._targets import Block, _group, sub_stages
@@ -59,15 +60,6 @@ class PlannedSequential(nn.Sequential):
     def forward(self, x: Tensor) -> Tensor:
         """Run the layers under the plan's schedule."""
         return self._runner(x)
-
-
-def _fmt_bytes(n: int | float) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -182,8 +174,20 @@ class Plan:
             f"blocks, got {type(model).__name__}"
         )
 
+    @property
+    def layout(self) -> str:
+        """The schedule over the stages, each forget region in brackets: ``(0 1) (2 (3)) 4``."""
+        return _layout(self.schedule.items)
+
     def rows(self) -> list[dict[str, Any]]:
-        """Per stage: name, decision, option, depth, saved bytes and expected recompute time."""
+        """Per stage: name, region, decision, option, depth, kept bytes, expected recompute time.
+
+        ``region`` names the forget regions around the stage, outermost first
+        (``"R1"``, ``"R2.1"`` for the first region inside the second), ``None``
+        for a stage no region holds; stages with the same region are forgotten,
+        and re-run, together.
+        """
+        regions = _region_names(self.schedule.items)
         rows = []
         for d in self.schedule.stage_decisions():
             stage = self.chain.stages[d.stage_index]
@@ -193,6 +197,7 @@ class Plan:
             rows.append(
                 {
                     "stage": stage.name,
+                    "region": regions.get(d.stage_index),
                     "decision": d.decision,
                     "option": d.option,
                     "depth": d.depth,
@@ -206,23 +211,24 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"forget plan ({self.schedule.algorithm}): {self.schedule.num_stages} stages, "
-            f"budget {_fmt_bytes(self.budget_bytes)} ({self.budget_bytes:,} B)",
-            f"  {'stage':<14} {'decision':<10} {'depth':>5} {'kept bytes':>14} {'recompute':>11}",
+            f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B)",
+            f"  {'stage':<14} {'region':<7} {'decision':<10} {'depth':>5} {'kept bytes':>14} "
+            f"{'recompute':>11}",
         ]
         for row in self.rows():
             decision = row["decision"]
             if row["depth"] and row["option"] is not None:
                 decision += f"[{row['option']}]"  # NOTE [options in regions]: in its re-run
             lines.append(
-                f"  {row['stage']:<14} {decision:<10} {row['depth']:>5} "
+                f"  {row['stage']:<14} {row['region'] or '-':<7} {decision:<10} {row['depth']:>5} "
                 f"{row['saved_bytes']:>14,} {row['recompute_s'] * 1e3:>9.3f}ms"
             )
         lines += [
-            f"  peak: measured {self.measured_peak_bytes:,} B, predicted "
-            f"{self.predicted_peak_bytes:,} B, plain {self.plain_peak_bytes:,} B "
-            f"({self.measured_peak_bytes / max(self.plain_peak_bytes, 1):.2f}x)",
-            f"  predicted time overhead: +{100 * self.predicted_overhead:.1f} % of a plain step; "
-            f"schedule {self.schedule}",
+            f"  regions: {self.layout}  (stage indices; a bracket is one forget region)",
+            f"  peak: measured {self.measured_peak_bytes:,} B "
+            f"({self.measured_peak_bytes / max(self.plain_peak_bytes, 1):.2f}x the plain "
+            f"{self.plain_peak_bytes:,} B); predicted {self.predicted_peak_bytes:,} B",
+            f"  time: predicted overhead +{100 * self.predicted_overhead:.1f} % of a plain step",
         ]
         return "\n".join(lines)
 
@@ -304,3 +310,28 @@ class Plan:
     def load(cls, path: str | Path, *, options: Mapping[str, Policy | bool] | None = None) -> Plan:
         """Read a plan written by `save`."""
         return cls.from_json(Path(path).read_text(), options=options)
+
+
+def _layout(items: Sequence[P.Keep | P.Region]) -> str:
+    parts = []
+    for item in items:
+        if isinstance(item, P.Keep):
+            parts.append(f"{item.stage_index}" + (f"[{item.option}]" if item.option else ""))
+        else:
+            parts.append(f"({_layout(item.items)})")
+    return " ".join(parts)
+
+
+def _region_names(items: Sequence[P.Keep | P.Region], prefix: str = "R") -> dict[int, str]:
+    """Stage index -> the name of the innermost region holding it (``R2.1``)."""
+    names: dict[int, str] = {}
+    count = 0
+    for item in items:
+        if isinstance(item, P.Region):
+            count += 1
+            name = f"{prefix}{count}"
+            for keep in item.items:
+                if isinstance(keep, P.Keep):
+                    names[keep.stage_index] = name
+            names.update(_region_names(item.items, f"{name}."))
+    return names

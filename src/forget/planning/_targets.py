@@ -268,7 +268,8 @@ def _whole_target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None
         raise TypeError(
             f"forget: plan takes an nn.Sequential, an nn.ModuleList or list of blocks, or a "
             f"reference model (forget.models), got {type(model).__name__}; pass its list of "
-            "blocks (e.g. model.layers) and run them with Plan.runner(blocks)"
+            "blocks, p = forget.plan(model.layers, x, budget=...), and run them with "
+            "p.apply(model.layers), a callable over the blocks"
         )
     if isinstance(model, Sequence | nn.ModuleList) and not isinstance(model, str | bytes):
         blocks = list(model)

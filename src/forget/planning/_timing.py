@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from ._targets import Block, _Target, untouched, zero_grads
+
+K = TypeVar("K")
 
 # ---------------------------------------------------------------- profiling
 
@@ -56,31 +59,52 @@ def _pair_starts(n: int) -> list[int]:
     return starts
 
 
+def time_calls(
+    calls: Mapping[K, Callable[[], object]],
+    repeats: int,
+    *,
+    prepare: Callable[[K], object] | None = None,
+) -> dict[K, list[float]]:
+    """Wall times of each call, round by round, timed side by side.
+
+    One warm-up round, then ``repeats`` rounds, each running every call once,
+    so machine noise hits all alike: the ``r``-th time of every call comes from
+    the same round. The order is shuffled each round (seeded): a call timed
+    right after a larger one pays for memory the allocator hands back, which a
+    fixed order would charge to the same call every round. ``prepare(key)``
+    runs before each call, untimed (zeroing gradients, seeding).
+
+    Example:
+        >>> rounds = time_calls({"a": lambda: None, "b": lambda: None}, 3)
+        >>> {key: len(times) for key, times in rounds.items()}
+        {'a': 3, 'b': 3}
+    """
+    times: dict[K, list[float]] = {key: [] for key in calls}
+    order = list(calls)
+    rng = random.Random(0)
+    for round_ in range(repeats + 1):
+        rng.shuffle(order)
+        for key in order:
+            if prepare is not None:
+                prepare(key)
+            start = time.perf_counter()
+            calls[key]()
+            if round_:
+                times[key].append(time.perf_counter() - start)
+    return times
+
+
 def time_rounds(
     target: _Target, runners: Mapping[Any, Block | None], repeats: int
 ) -> dict[Any, list[float]]:
-    """Step times of each runner (``None``: plain), round by round, timed side by side.
+    """Step times of each runner (``None``: plain) on ``target``, round by round (`time_calls`).
 
-    One warm-up round, then ``repeats`` rounds, each running every runner once,
-    so machine noise hits all alike: the ``r``-th time of every runner comes from
-    the same round. The order is shuffled each round (seeded): a runner timed
-    right after a larger one pays for memory the allocator hands back, which a
-    fixed order would charge to the same runner every round. The model is left
-    as it was (`untouched`).
+    The model is left as it was (`untouched`); gradients are zeroed, untimed,
+    before every step.
     """
-    times: dict[Any, list[float]] = {key: [] for key in runners}
-    order = list(runners)
-    rng = random.Random(0)
+    steps = {key: functools.partial(target.step, runner) for key, runner in runners.items()}
     with untouched(target):
-        for round_ in range(repeats + 1):
-            rng.shuffle(order)
-            for key in order:
-                zero_grads(target)
-                start = time.perf_counter()
-                target.step(runners[key])
-                if round_:
-                    times[key].append(time.perf_counter() - start)
-    return times
+        return time_calls(steps, repeats, prepare=lambda _: zero_grads(target))
 
 
 def time_side_by_side(

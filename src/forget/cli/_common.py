@@ -1,0 +1,231 @@
+"""What every command shares: argument parsing, budgets, progress bars, units, plot hints.
+
+Each command module (`_demo`, `_bench`, `_plan`, `_profile`) imports from here
+and from the public names of the other packages, never from another command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import policies
+from .. import schedules as P
+from ..memory import MIB
+from ..models import MODEL_NAMES, BlockModel, build_model, model_settings
+from ..policies import Policy
+
+#: The budget of one plan, as every command reads it: `forget.schedules.parse_budget`'s
+#: grammar (bytes, ``"512MiB"``, ``"50%"``), or ``min``, the least feasible budget.
+BUDGET_HELP = "bytes, a size (512MiB), a share of the plain peak (50%%) or 'min'"
+
+
+def check_budget(label: str) -> None:
+    """Raise ``ValueError`` before any work if ``label`` is no budget (`resolve_budget`)."""
+    if label != "min":
+        P.parse_budget(label, 1 << 40)
+
+
+def resolve_budget(label: str, plain_peak_bytes: int, min_feasible_bytes: int) -> int:
+    """The budget ``label`` in bytes (``min``: ``min_feasible_bytes``)."""
+    if label == "min":
+        return min_feasible_bytes
+    return P.parse_budget(label, plain_peak_bytes)
+
+
+# ---------------------------------------------------------------- output
+
+
+def mib(n_bytes: int) -> str:
+    """A table cell in MiB, to the KiB: ``7.212``."""
+    return f"{n_bytes / MIB:.3f}"
+
+
+def plot_hint(flag: str) -> str:
+    """The message for a PNG flag without matplotlib."""
+    return f"forget: {flag} needs matplotlib; install it with pip install 'torch-forget[plot]'"
+
+
+def require_matplotlib(flag: str) -> None:
+    """Raise ``ValueError(plot_hint(flag))`` without matplotlib: fail before the run, not after."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(plot_hint(flag)) from None
+
+
+def wrote(path: Path, what: str) -> None:
+    """Say on stdout what a command wrote, and where."""
+    print(f"wrote {path}: {what}")
+
+
+_NO_TQDM_NOTE = (
+    "forget: no progress bars: tqdm is not installed; "
+    "pip install 'torch-forget[cli]' adds them (--quiet hides this note)."
+)
+_noted_no_tqdm = False
+
+
+class Progress:
+    """A tqdm bar when tqdm is installed and not ``--quiet``; otherwise nothing.
+
+    Without tqdm the first bar of the process says once, on stderr, how to get one.
+    """
+
+    def __init__(self, total: int, enabled: bool, desc: str, unit: str = "step") -> None:
+        global _noted_no_tqdm
+        self._bar: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                if not _noted_no_tqdm:
+                    _noted_no_tqdm = True
+                    print(_NO_TQDM_NOTE, file=sys.stderr)
+                return
+            self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False)
+
+    def update(self, label: str) -> None:
+        """Count one unit of work done; ``label`` says which."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        """Remove the bar."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ---------------------------------------------------------------- models
+
+
+def model_and_inputs(
+    spec: str,
+    size: str,
+    seed: int,
+    input_shape: str | None,
+    settings: dict[str, int | float] | None = None,
+) -> tuple[str, Any, tuple[Any, ...]]:
+    """Build a reference model by name, or a user's ``module:factory``, and sample inputs.
+
+    ``settings`` (``--set``) replace a reference model's preset keyword arguments.
+    """
+    if settings and spec not in MODEL_NAMES:
+        raise ValueError(f"forget: --set changes reference models only, not {spec}")
+    if spec in MODEL_NAMES:
+        settings = settings or {}
+        known = model_settings(spec, size)
+        unknown = sorted(settings.keys() - known.keys())
+        if unknown:
+            raise ValueError(
+                f"forget: --set {', '.join(unknown)}: {spec} takes "
+                + ", ".join(f"{k} (now {v})" for k, v in known.items())
+            )
+        try:
+            model: Any = build_model(spec, size, seed=seed, **settings)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"forget: --set for {spec}: {str(exc).removeprefix('forget: ')}"
+            ) from exc
+    else:
+        factory = load_factory(spec)
+        torch.manual_seed(seed)
+        try:
+            model = factory()
+        except Exception as exc:  # a user's factory: report it as a usage error
+            raise ValueError(f"forget: {spec}() raised {type(exc).__name__}: {exc}") from exc
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(model, BlockModel):
+        return spec, model, model.example_input(generator=generator)
+    if input_shape is None:
+        raise ValueError(
+            f"forget: {spec} is not a reference model; give its input with --input-shape N,D"
+        )
+    return spec, model, (torch.randn(parse_shape(input_shape), generator=generator),)
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """Return the callable named by ``module:factory`` (``pkg.models:build``)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"forget: expected a model name ({', '.join(MODEL_NAMES)}) or module:factory, "
+            f"got {spec!r}"
+        )
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"forget: cannot import {module_name!r}: {exc}") from exc
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"forget: {module_name}.{attr} is not a callable factory")
+    return factory  # type: ignore[no-any-return]
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Parse ``--input-shape 64,512`` (commas or x) into a tuple of positive ints."""
+    try:
+        shape = tuple(int(p) for p in text.replace("x", ",").split(",") if p.strip())
+    except ValueError:
+        shape = ()
+    if not shape or any(s <= 0 for s in shape):
+        raise ValueError(f"forget: --input-shape takes positive sizes like 64,512, got {text!r}")
+    return shape
+
+
+def parse_setting(text: str) -> tuple[str, int | float]:
+    """``"context=512"`` -> ``("context", 512)``; ``"dropout=0.0"`` -> ``("dropout", 0.0)``."""
+    key, sep, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    number: int | float | None = None
+    for kind in (int, float):
+        try:
+            number = kind(value)
+            break
+        except ValueError:
+            continue
+    if not sep or not key.isidentifier() or number is None:
+        raise ValueError(
+            f"forget: --set takes KEY=NUMBER, e.g. context=512 or dropout=0.0, got {text!r}"
+        )
+    return key, number
+
+
+OPTION_GROUPS = ("LINEAR", "CONV", "ATTENTION", "DROPOUT", "MATMUL")
+
+
+def parse_option(text: str) -> tuple[str, Policy]:
+    """``"sel=LINEAR+ATTENTION"`` -> ``("sel", save_outputs_of(*LINEAR, *ATTENTION))``.
+
+    Each ``+``-joined part is a group of `forget.policies` (any case) or an aten
+    op name (``bmm``, ``aten.bmm``). ``NAME=REGENERATE`` keeps the stage and
+    rebuilds GELU / SiLU / LayerNorm outputs and dropout products and masks in
+    backward (`forget.policies.regenerate`).
+    """
+    name, sep, ops = text.partition("=")
+    name, ops = name.strip(), ops.strip()
+    if not sep or not name or not ops:
+        raise ValueError(
+            f"forget: --option takes NAME=OPS, e.g. sel=LINEAR+ATTENTION+DROPOUT, got {text!r}"
+        )
+    if name in ("kept", "forgotten"):
+        raise ValueError(f"forget: --option name {name!r} is taken; choose another")
+    if ops.upper() == "REGENERATE":
+        return name, policies.regenerate()
+    names: list[str] = []
+    for part in ops.split("+"):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"forget: --option {text!r} has an empty op between '+'")
+        group = part.upper()
+        names.extend(getattr(policies, group) if group in OPTION_GROUPS else (part,))
+    return name, policies.save_outputs_of(*names)
