@@ -221,7 +221,7 @@ def test_cli_routes_bench(capsys):
 
 
 def test_selective_rows_at_another_shape(capsys):
-    # python -m forget._bench_selective --width ...: the rows for a shape of one's own.
+    # python -m forget.cli._bench_selective --width ...: the rows for a shape of one's own.
     from forget.cli import _bench_selective
 
     assert _bench_selective.main(["--size", "tiny", "--repeats", "1", "--width", "32"]) == 0

@@ -139,10 +139,10 @@ def format_rows(rows: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m forget._bench_selective [--width N ...]``: the rows at another shape."""
+    """``python -m forget.cli._bench_selective [--width N ...]``: the rows at another shape."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m forget._bench_selective")
+    parser = argparse.ArgumentParser(prog="python -m forget.cli._bench_selective")
     parser.add_argument("--size", default="default", choices=SIZES)
     parser.add_argument("--repeats", type=int, default=5)
     shape = ("width", "heads", "context", "depth", "batch_size")
