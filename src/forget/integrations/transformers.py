@@ -36,7 +36,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._checkpoint import checkpoint
+from .. import checkpoint
 from ..policies import Policy, as_policy
 
 __all__ = ["checkpoint_function", "checkpointed_layers", "disable", "enable", "is_enabled"]

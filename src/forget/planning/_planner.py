@@ -59,7 +59,6 @@ from .. import schedules as P
 from ..errors import BudgetInfeasibleError
 from ..memory import frozen_heap, measure
 from ..policies import Policy
-from ..schedules._baselines import forget_each_items, on_sub_stages, uniform_items
 from ._plan import Plan, run_items
 from ._profile import _check_options, profile_chain
 from ._targets import Block, LossFn, _Target, _target, untouched, zero_grads
@@ -203,7 +202,7 @@ class Planner:
         # never slower (predicted) than a fitting one of them. They are made on
         # the blocks (NOTE [finer stages]), as a user would cut the model.
         self.block_sizes = self.target.block_sizes or (1,) * n
-        self.baselines = [self.on_blocks(forget_each_items(len(self.block_sizes)), "forget_each")]
+        self.baselines = [self.on_blocks(P.forget_each_items(len(self.block_sizes)), "forget_each")]
         # NOTE [the last segment]: every stage under one option, the last kept whole.
         self.baselines += [
             P.Schedule.from_items(
@@ -237,12 +236,12 @@ class Planner:
     def on_blocks(self, items: tuple[P.Keep | P.Region, ...], algorithm: str) -> P.Schedule:
         """A schedule written over the blocks, on the planned chain (NOTE [finer stages])."""
         return P.Schedule.from_items(
-            self.chain, on_sub_stages(items, self.block_sizes), algorithm=algorithm
+            self.chain, P.on_sub_stages(items, self.block_sizes), algorithm=algorithm
         )
 
     def uniform(self, segments: int) -> P.Schedule:
         """``segments`` uniform segments of the blocks, as ``checkpoint_sequential`` cuts them."""
-        items = uniform_items(len(self.block_sizes), segments)
+        items = P.uniform_items(len(self.block_sizes), segments)
         return self.on_blocks(items, f"uniform({segments})")
 
     def _keep_last_segment(

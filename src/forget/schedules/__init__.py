@@ -13,7 +13,11 @@ Example:
     True
 """
 
+from ._baselines import forget_each_items as forget_each_items
+from ._baselines import on_sub_stages as on_sub_stages
 from ._baselines import sqrt_segments as sqrt_segments
+from ._baselines import store_all_items as store_all_items
+from ._baselines import uniform_items as uniform_items
 from ._budget import parse_budget as parse_budget
 from ._chain import Chain as Chain
 from ._chain import Stage as Stage
@@ -47,12 +51,16 @@ __all__ = [
     "StageDecision",
     "StageOption",
     "evaluate",
+    "forget_each_items",
     "get_algorithm",
     "min_feasible_bytes",
+    "on_sub_stages",
     "pareto",
     "parse_budget",
     "revolve_forward_steps",
     "simulate",
     "solve",
     "sqrt_segments",
+    "store_all_items",
+    "uniform_items",
 ]

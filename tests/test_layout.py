@@ -1,0 +1,80 @@
+"""The package's layout keeps its rules: packages talk through their public names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "forget"
+MODULES = sorted(p for p in SRC.rglob("*.py") if "__pycache__" not in p.parts)
+# "~600 lines": a module this long has more than one concern to split off.
+MAX_LINES = 620
+
+
+def _package(path: Path) -> tuple[str, ...]:
+    """The package a module belongs to, as a tuple of names under ``forget``."""
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return parts[:-1]
+
+
+def _imports(source: str, package: tuple[str, ...]) -> list[tuple[tuple[str, ...], str]]:
+    """(module imported from, name) for every ``forget`` import of a module's source."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package[: len(package) - node.level + 1]
+            target = base + tuple(node.module.split(".") if node.module else ())
+        elif node.module and node.module.split(".")[0] == "forget":
+            target = tuple(node.module.split("."))
+        else:
+            continue
+        found += [(target, alias.name) for alias in node.names]
+    return found
+
+
+def _owner(target: tuple[str, ...]) -> tuple[str, ...]:
+    """The package a dotted target lives in: the part before its first private name."""
+    for i, part in enumerate(target):
+        if part.startswith("_"):
+            return target[:i]
+    return target
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(SRC)) for p in MODULES])
+def test_no_module_imports_another_packages_private_names(path):
+    package = _package(path)
+    for target, name in _imports(path.read_text(), package):
+        private = any(p.startswith("_") for p in target) or (
+            name.startswith("_") and name != "__future__"
+        )
+        if not private or target == ("__future__",):
+            continue
+        owner = _owner(target) if any(p.startswith("_") for p in target) else target
+        assert owner == package, (
+            f"{path.relative_to(SRC)} imports {name!r} from {'.'.join(target)}, a private "
+            f"name of the package {'.'.join(owner)}; import a public name of that package"
+        )
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(SRC)) for p in MODULES])
+def test_no_module_is_over_about_600_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(SRC)} has {lines} lines; split it by concern"
+
+
+def test_the_rules_catch_what_they_forbid():
+    # The check above can fail: relative and absolute private imports resolve to
+    # the package that owns them.
+    planning = ("forget", "planning")
+    relative = _imports("from ..engine._region import Region\n", planning)
+    absolute = _imports("from forget.engine import _region\n", planning)
+    assert relative == [(("forget", "engine", "_region"), "Region")]
+    assert absolute == [(("forget", "engine"), "_region")]
+    assert _owner(relative[0][0]) == ("forget", "engine") != planning
+    assert _imports("from ._plan import Plan\n", planning) == [
+        (("forget", "planning", "_plan"), "Plan")
+    ]
