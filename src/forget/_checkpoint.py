@@ -91,7 +91,7 @@ def checkpoint(
             UserWarning,
             stacklevel=2,
         )
-    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # NOTE [compile] in _core
+    if torch.compiler.is_compiling() and torch.is_grad_enabled():  # NOTE [compile], engine
         return compiled_region(
             function,
             args,

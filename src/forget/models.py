@@ -343,7 +343,7 @@ class _Part(nn.Module):
 
     It runs the block's ``run`` on the block's ``layers`` of that part (shared,
     not copied), so its parameters and ``repr`` are those of the part, and two
-    blocks' parts compare alike (NOTE [alike stages] in ``forget._planning``).
+    blocks' parts compare alike (NOTE [alike stages] in ``forget.planning._profile``).
     """
 
     def __init__(self, part: str, run: Callable[[Tensor], Tensor], **layers: nn.Module) -> None:
@@ -503,7 +503,7 @@ _FACTORIES: dict[str, Callable[..., BlockModel]] = {
 }
 
 # Per model and size, the factory's keyword arguments. "default" runs one
-# training step in well under a second on 2 CPU cores; "quick" keeps the whole
+# training step in well under a second on a laptop-class CPU; "quick" keeps the whole
 # `forget bench --quick` within seconds; "tiny" is for unit tests, with batches
 # large enough that activations outweigh the weights and their gradients, so
 # that planning saves memory on every model (`forget plan --size tiny`).

@@ -206,7 +206,7 @@ which is found by trying the usual ones, kept only where the output's bits
 come out again), of a product whose operands are kept anyway (a dropout's
 masked output: its backward keeps the mask, softmax keeps its result), and the
 0-or-scale masks that ``aten.bernoulli_`` fills for a CPU dropout, kept as one
-byte per element (NOTE [two-valued masks] in ``forget._regen``)."""
+byte per element (NOTE [two-valued masks] in ``forget.engine._regenerate``)."""
 
 
 def regenerate(*ops: str) -> Policy:
@@ -215,7 +215,7 @@ def regenerate(*ops: str) -> Policy:
     Not a region's policy: the stage runs once, as plain autograd, and each
     tensor saved for backward that is the output of one of ``ops`` (or a view
     of it) is rebuilt from the input the op's own backward keeps (NOTE
-    [regenerate] in ``forget._regen``): GELU's output, which the next Linear
+    [regenerate] in ``forget.engine._regenerate``): GELU's output, which the next Linear
     saves, costs one GELU in backward instead of its bytes. Gradients are
     bitwise the plain run's. With no ``ops``, every entry of `REGENERABLE`.
     Use it as a stage option of `forget.schedules` (``options={"regen":

@@ -14,7 +14,7 @@ once per unpack, in backward, before the node's own backward frees its input
 and no re-run of anything else: on the reference GPT's MLP half it spares the
 GELU output (1 MiB of 2.5 MiB) for one GELU, where a policy region's per-op
 bookkeeping costs more than the ops it spares (NOTE [plain re-run] in
-``_core``).
+``_region``).
 
 LayerNorm's output (NOTE [regenerate a layer norm]), products (NOTE
 [regenerate a product]) and CPU dropout's float masks (NOTE [two-valued
@@ -29,7 +29,7 @@ returned as it is, after the version check autograd would make.
 NOTE [regenerate in a re-run]: `regenerating` entered while a region runs
 records its pack function against the innermost region's own pack (a
 thread-local stack). The region's first forward ignores it; the re-run's
-``collect`` (``_core``) asks `rerun_pack` whether a regenerating() was
+``collect`` (``_region``) asks `rerun_pack` whether a regenerating() was
 entered directly under it and, if so, stores the `_Regenerated` it returns
 instead of the tensor, and gives the re-run's graph the same small object,
 so that nothing holds the tensor once the re-run's op has consumed it. The
@@ -68,7 +68,7 @@ def _silu(node: Any, out: torch.Tensor) -> Rebuild | None:
 
 
 # NOTE [region outputs]: the key a forget region sets in the metadata of its
-# outputs' nodes (``_core``). Such a node saved forget slots, not tensors:
+# outputs' nodes (``_region``). Such a node saved forget slots, not tensors:
 # reading one (a rule's check, or a rebuild) would re-run the region at that
 # moment, in the forward or ahead of its own backward, and hold what the re-run
 # rebuilds until then (on the residual MLP, a plan keeping a stage under
@@ -261,7 +261,7 @@ class _Regenerated:
 def resolve(saved: Any) -> Any:
     """What a saved value stands for: a `_Regenerated` rebuilt, anything else as it is.
 
-    The unpack of `regenerating`'s hooks, and what ``_core`` calls on a value a
+    The unpack of `regenerating`'s hooks, and what ``_region`` calls on a value a
     re-run stored (NOTE [regenerate in a re-run]).
     """
     return saved.get() if isinstance(saved, _Regenerated) else saved

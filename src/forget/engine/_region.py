@@ -476,7 +476,7 @@ class Region:
 def _mark_outputs(out: Any) -> None:
     """Mark the nodes of a region's outputs (and of their bases) as the region's.
 
-    NOTE [region outputs] in ``_regen``: those nodes saved slots, which
+    NOTE [region outputs] in ``_regenerate``: those nodes saved slots, which
     `regenerating` must not read.
     """
     for o in pytree.tree_leaves(out):
