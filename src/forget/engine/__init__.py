@@ -4,11 +4,12 @@
 - `_forget`: the entry points `forget`, `run_region`, `compiled_region`.
 - `_replay`: the `in_recomputing` flag, RNG and autocast state replayed.
 - `_state`: outside state a region writes (NOTE [state tracking]), through a
-  dispatch mode that runs only where a region needs it.
+  dispatch mode that runs only where a region needs it; `_ops`: what it asks
+  of each aten op (NOTE [op info]).
 - `_selective`: a policy's replay: kept op outputs and kept draws.
 - `_offload`, `_regenerate`: saved tensors moved to the host, or rebuilt.
 - `_storage`: storage identity; `_in_turn`: callables run in turn;
-  `_hidden`: the engine's own ops, unseen by trackers.
+  `_local`: per-thread state (running regions, hidden ops).
 
 Other packages import the names below, never the underscore modules.
 """

@@ -302,7 +302,7 @@ def regenerating(policy: Policy) -> Iterator[None]:
     Raises:
         TypeError: ``policy`` regenerates nothing.
     """
-    from ._region import _packers
+    from ._local import _packers
 
     if not isinstance(policy, Policy) or not policy.regenerate:
         raise TypeError(

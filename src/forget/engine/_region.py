@@ -37,7 +37,6 @@ they are detached and the recomputation's graph is dropped at once.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,7 +46,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
-from ._hidden import hidden
+from ._local import _packers, hidden
 from ._offload import Offloaded, offload, warn_cpu_once
 from ._regenerate import REGION_OUTPUT, rerun_pack, resolve
 from ._replay import AutocastState, RNGState, devices_of, recomputing
@@ -68,21 +67,6 @@ def ordinal(n: int) -> str:
     teen = 10 <= n % 100 <= 20
     suffix = "th" if teen else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
-
-
-class _Packers(threading.local):
-    stack: list[Callable[[torch.Tensor], Any]]
-    trackers: list[StateTracker]
-
-    def __init__(self) -> None:
-        self.stack = []
-        self.trackers = []
-
-
-# The pack functions of the regions being run (forward or recomputation) in this
-# thread, innermost last; a nested region stores its inputs through the innermost
-# (NOTE [nesting]). And their trackers, which know what memory the regions made.
-_packers = _Packers()
 
 
 def _external(t: torch.Tensor, key: tuple[torch.device, int]) -> bool:

@@ -4,41 +4,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import RecomputationMismatchError
-from ._hidden import hidden
+from ._local import hidden
+from ._ops import _draw_into, _OpInfo
 from ._storage import StorageKey, storage_key
-
-if TYPE_CHECKING:
-    from ._state import _OpInfo
-
-
-def _draw_into(op: Any) -> int | None:
-    """The argument an in-place random op fills and returns (``bernoulli_``: 0), else None.
-
-    Ops that also make new memory or write elsewhere (``rrelu_with_noise``, ``out=``
-    variants that return views) are not in-place draws; they are always re-drawn.
-    """
-    schema = op._schema
-    written = [
-        i
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
-    into = None
-    if (
-        len(written) == 1
-        and len(schema.returns) == 1
-        and not schema.arguments[written[0]].kwarg_only
-    ):
-        ret = schema.returns[0].alias_info
-        arg = schema.arguments[written[0]].alias_info
-        if ret is not None and arg is not None and ret.before_set == arg.before_set:
-            into = written[0]
-    return into
 
 
 def _generator(

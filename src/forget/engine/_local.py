@@ -1,8 +1,12 @@
-"""Ops the engine runs for itself, hidden from the state tracker and the op count."""
+"""What the engine keeps per thread: the regions running now, and its own hidden ops."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 
 class _Hiding(threading.local):
@@ -34,3 +38,18 @@ def hidden() -> _Hidden:
     shift the op positions that policy replay relies on.
     """
     return _HIDDEN
+
+
+class _Packers(threading.local):
+    stack: list[Callable[[torch.Tensor], Any]]
+    trackers: list[Any]  # their StateTrackers (a type import would be circular)
+
+    def __init__(self) -> None:
+        self.stack = []
+        self.trackers = []
+
+
+# The pack functions of the regions being run (forward or recomputation) in this
+# thread, innermost last; a nested region stores its inputs through the innermost
+# (NOTE [nesting]). And their trackers, which know what memory the regions made.
+_packers = _Packers()
