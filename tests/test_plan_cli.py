@@ -195,7 +195,7 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     from forget import schedules as P
 
     plain_s = planner.chain.store_all_time_s
-    items = P._baselines.uniform_items(6, row.uniform_segments)
+    items = P.uniform_items(6, row.uniform_segments)
     uniform_s = P.Schedule.from_items(planner.chain, items).predicted_time_s
     assert row.plan is not None and row.predicted_ratio is not None
     expected = (row.plan.schedule.predicted_time_s - plain_s) / (uniform_s - plain_s)

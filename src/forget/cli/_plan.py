@@ -327,7 +327,7 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
                 textcoords="offset points",
             )
         blocks = len(result.planner.block_sizes)
-        forget_all = result.planner.on_blocks(P._baselines.forget_each_items(blocks), "forget_each")
+        forget_all = result.planner.on_blocks(P.forget_each_items(blocks), "forget_each")
         ax.plot(
             [result.plain_peak_bytes / MIB],
             [0.0],
