@@ -25,3 +25,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def fixed_clock():
+    """Planning times on a clock that runs nothing and reports 1 ms per call.
+
+    For tests that check what planning does with bytes, schedules and
+    gradients, not with times: profiling and the planner's side-by-side timing
+    run no steps (every byte figure is still measured), and the times repeat
+    exactly. A test that needs the wall clock asks for `wall_clock` too.
+    """
+    from forget.planning import _clock
+
+    with _clock.using(_clock.FixedClock()) as clock:
+        yield clock
+
+
+@pytest.fixture
+def wall_clock(fixed_clock):
+    """Planning times on the wall clock (inside a module that uses `fixed_clock`)."""
+    from forget.planning import _clock
+
+    with _clock.using(_clock.WallClock()) as clock:
+        yield clock

@@ -10,7 +10,6 @@ import math
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -292,17 +291,26 @@ def test_boundary_exact_bytes_despite_discretization() -> None:
         solve(chain, lowest - 1)
 
 
-def test_solve_time_100_stages() -> None:
+def test_a_100_stage_solve_fits_its_budget_and_ties_or_beats_the_segmentations() -> None:
+    # How long this takes is benchmarks/solve_time.py's to print; here, what it returns.
     chain = big_chain(100, seed=1)
     lowest = min_feasible_bytes(chain)
     top = solve(chain, 10**15).predicted_peak_bytes
-    start = time.perf_counter()
-    schedule = solve(chain, (lowest + top) // 3)
-    elapsed_s = time.perf_counter() - start
-    print(
-        f"\noptimal solve, 100 stages: {elapsed_s:.3f} s, overhead {schedule.predicted_overhead_s}"
-    )
-    assert simulate(chain, schedule)[0] == schedule.predicted_peak_bytes
+    budget = (lowest + top) // 3
+    assert lowest <= budget < top
+    schedule = solve(chain, budget)
+    assert simulate(chain, schedule)[0] == schedule.predicted_peak_bytes <= budget
+    assert schedule.num_stages == 100
+    # Below the store-all peak something is re-run, so there is an overhead.
+    assert schedule.predicted_overhead_s > 0
+    # Revolve, seconds at 100 stages, is compared at 24 (test_optimal_beats_or_ties_baselines).
+    for name in ("store_all", "forget_each", "uniform", "sqrt"):
+        try:
+            other = solve(chain, budget, algorithm=name)
+        except BudgetInfeasibleError:
+            continue
+        # The DP sees a rounded model; allow what a unit of rounding can cost.
+        assert schedule.predicted_time_s <= other.predicted_time_s * 1.02 + 1e-12, name
 
 
 def test_optimal_beats_or_ties_baselines() -> None:

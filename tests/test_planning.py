@@ -20,7 +20,20 @@ from forget import policies as policies_
 from forget import schedules as P
 from forget.engine import InTurn
 from forget.models import build_model
-from forget.planning import Plan, PlannedSequential, Planner, _profile, _targets, _timing
+from forget.planning import (
+    Plan,
+    PlannedSequential,
+    Planner,
+    _clock,
+    _planner,
+    _profile,
+    _targets,
+    _timing,
+)
+
+# Tests here check bytes, schedules and gradients; times come from a clock that runs
+# nothing (conftest.py). The few that need real times ask for `wall_clock`.
+pytestmark = pytest.mark.usefixtures("fixed_clock")
 
 # Reference models at sizes where activations, not parameters, dominate the peak.
 SIZES = {
@@ -54,6 +67,19 @@ def _rounds_of(stand_in):
     return rounds
 
 
+@pytest.fixture
+def tagged(monkeypatch):
+    """The planner's runners carry the schedule items they run, as ``runner.items``."""
+    real = _planner.run_items
+
+    def run_items(items, blocks, policies):
+        runner = real(items, blocks, policies)
+        runner.items = items  # type: ignore[attr-defined]
+        return runner
+
+    monkeypatch.setattr(_planner, "run_items", run_items)
+
+
 def _peak(model, x, target) -> int:
     model.zero_grad(set_to_none=True)
     return forget.measure(model.step, x, target).peak_bytes
@@ -63,7 +89,8 @@ def _peak(model, x, target) -> int:
 def planned(request):
     name = request.param
     model, x, target = _model(name)
-    return name, model, x, target, Planner(model, (x, target), repeats=1)
+    with _clock.using(_clock.FixedClock()):
+        return name, model, x, target, Planner(model, (x, target), repeats=1)
 
 
 def test_measured_peak_fits_every_budget_and_gradients_match(planned):
@@ -116,7 +143,7 @@ def test_budget_at_or_above_the_plain_peak_stores_everything(planned):
     assert plan.predicted_overhead == 0
 
 
-def test_plan_is_the_fastest_measured_of_the_fitting_candidates(planned, monkeypatch):
+def test_plan_is_the_fastest_measured_of_the_fitting_candidates(tagged, planned, monkeypatch):
     # Every fitting uniform segmentation is timed beside the planner's schedules, and
     # the least median wins. Timing is replaced by a stand-in that is deterministic
     # and disagrees with the prediction (the fewer regions the faster).
@@ -128,7 +155,7 @@ def test_plan_is_the_fastest_measured_of_the_fitting_candidates(planned, monkeyp
         timed.extend(r.items for r in runners.values())
         return {key: float(str(r.items).count("Region")) for key, r in runners.items()}
 
-    monkeypatch.setattr(planning, "time_rounds", _rounds_of(stand_in))
+    monkeypatch.setattr(_planner, "time_rounds", _rounds_of(stand_in))
     plan = planner.plan(0.75)
     n = len(planner.chain)
     fitting = [
@@ -147,7 +174,7 @@ def test_plan_is_the_fastest_measured_of_the_fitting_candidates(planned, monkeyp
 
 @pytest.mark.parametrize(("wins", "chosen"), [(3, "predicted"), (4, "measured")])
 def test_the_measured_fastest_displaces_the_predicted_only_when_consistently_faster(
-    monkeypatch, wins, chosen
+    tagged, monkeypatch, wins, chosen
 ):
     # NOTE [consistently faster]: five rounds; another candidate leads the predicted
     # fastest (index 0) by a median 0.5 s a round. Winning three rounds of five is not
@@ -164,7 +191,7 @@ def test_the_measured_fastest_displaces_the_predicted_only_when_consistently_fas
         rounds[1] = [0.5] * wins + [1.1] * (5 - wins)
         return rounds
 
-    monkeypatch.setattr(planning, "time_rounds", stand_in)
+    monkeypatch.setattr(_planner, "time_rounds", stand_in)
     plan = planner.plan(0.75)
     assert len(seen) > 2
     assert plan.schedule.items == seen[0 if chosen == "predicted" else 1]
@@ -173,7 +200,7 @@ def test_the_measured_fastest_displaces_the_predicted_only_when_consistently_fas
     assert _timing._displaces([0.5], [1.0]) and not _timing._displaces([1.0], [1.0])
 
 
-def test_a_challenger_must_win_fresh_rounds_too(monkeypatch):
+def test_a_challenger_must_win_fresh_rounds_too(tagged, monkeypatch):
     # NOTE [confirmed on fresh rounds]: the challenger (index 1) wins every round of
     # the selection; timed again beside the predicted fastest alone, it loses, and
     # the predicted fastest stays the plan.
@@ -190,7 +217,7 @@ def test_a_challenger_must_win_fresh_rounds_too(monkeypatch):
         rounds[1] = [0.5] * 3 if len(calls) % 2 else [1.5] * 3
         return rounds
 
-    monkeypatch.setattr(planning, "time_rounds", stand_in)
+    monkeypatch.setattr(_planner, "time_rounds", stand_in)
     plan = planner.plan(0.75)
     assert len(calls) == 2 and calls[1] == [0, 1] and len(calls[0]) > 2
     assert plan.schedule.items == seen[0] != seen[1]
@@ -206,7 +233,7 @@ def test_overheads_pair_each_round_with_its_own_plain_step(monkeypatch):
         plain = next(k for k, r in runners.items() if r is None)
         return {k: [1.0, 1.0, 2.0] if k is plain else [1.1, 2.2, 2.2] for k in runners}
 
-    monkeypatch.setattr(planning, "time_rounds", rounds)
+    monkeypatch.setattr(_timing, "time_rounds", rounds)
     runner = lambda h: h  # noqa: E731
     overheads = planning.paired_overheads(None, {"plan": runner}, 7)  # type: ignore[arg-type]
     assert seen["repeats"] == 7 and list(overheads) == ["plan"]
@@ -214,19 +241,19 @@ def test_overheads_pair_each_round_with_its_own_plain_step(monkeypatch):
     assert statistics.median(overheads["plan"]) == pytest.approx(0.1)
 
 
-def test_a_region_ending_the_chain_is_kept_when_that_fits(planned, monkeypatch):
+def test_a_region_ending_the_chain_is_kept_when_that_fits(tagged, planned, monkeypatch):
     # NOTE [the last segment]: forgetting every stage (a baseline) ends in a region;
     # at the least budget it fits, its twin with the last stage kept is timed in its
     # place when that fits too, and no timed candidate ends in a region it need not.
     _, _, _, _, planner = planned
     timed: list[tuple] = []
-    real = planning.time_rounds
+    real = _planner.time_rounds
 
     def spy(target, runners, repeats):
         timed.extend(r.items for r in runners.values())
         return real(target, runners, 1)
 
-    monkeypatch.setattr(planning, "time_rounds", spy)
+    monkeypatch.setattr(_planner, "time_rounds", spy)
     budget = planner.plan(planner.plain_peak).min_feasible_bytes
     plan = planner.plan(budget)
     n = len(planner.chain)
@@ -242,7 +269,9 @@ def test_a_region_ending_the_chain_is_kept_when_that_fits(planned, monkeypatch):
     assert plan.measured_peak_bytes <= budget
 
 
-def test_a_larger_budget_has_the_smaller_budgets_proposals_among_its_candidates(monkeypatch):
+def test_a_larger_budget_has_the_smaller_budgets_proposals_among_its_candidates(
+    tagged, monkeypatch
+):
     # NOTE [monotone in the budget]: a schedule no probe or baseline proposes (the
     # first stage forgotten in a region of its own inside another, which only adds
     # a re-run), once proposed, is timed at a budget it fits and, with a stand-in
@@ -260,7 +289,7 @@ def test_a_larger_budget_has_the_smaller_budgets_proposals_among_its_candidates(
         timed.extend(r.items for r in runners.values())
         return {k: 0.0 if r.items == odd.items else 1.0 for k, r in runners.items()}
 
-    monkeypatch.setattr(planning, "time_rounds", _rounds_of(stand_in))
+    monkeypatch.setattr(_planner, "time_rounds", _rounds_of(stand_in))
     before = planner.plan(peak)
     assert odd.items not in timed and before.schedule.items != odd.items
     planner.proposed[odd.items] = odd
@@ -287,6 +316,7 @@ def test_alike_stages_get_the_medians_of_their_times():
     assert [s.options[0].recompute_s for s in pooled] == [20.0, 20.0, 90.0, 20.0, 70.0]
 
 
+@pytest.mark.usefixtures("wall_clock")
 def test_profiled_alike_blocks_share_times_and_others_keep_theirs():
     torch.manual_seed(0)
 
@@ -305,6 +335,7 @@ def test_profiled_alike_blocks_share_times_and_others_keep_theirs():
     assert len({s.forward_s for s in chain.stages[:4]}) > 1
 
 
+@pytest.mark.usefixtures("wall_clock")
 def test_planning_leaves_the_model_and_rng_as_they_were():
     model, x, target = _model("small_cnn")
     before = copy.deepcopy(model.state_dict())
@@ -415,7 +446,7 @@ def test_stage_options_are_profiled_and_a_partial_keep_is_exact():
     Plan.from_json(plan.to_json(), options={"matmuls": matmuls}).apply(copy.deepcopy(model))
 
 
-def test_every_stage_under_an_option_is_a_measured_baseline(monkeypatch):
+def test_every_stage_under_an_option_is_a_measured_baseline(tagged, monkeypatch):
     # NOTE [the last segment]: with options, "every stage under the option, the
     # last kept whole" is timed beside the other fitting schedules; a stand-in
     # timing that favours options makes it the plan wherever it fits.
@@ -431,7 +462,7 @@ def test_every_stage_under_an_option_is_a_measured_baseline(monkeypatch):
     def stand_in(target, runners, repeats):
         return {k: -str(r.items).count("matmuls") for k, r in runners.items()}
 
-    monkeypatch.setattr(planning, "time_rounds", _rounds_of(stand_in))
+    monkeypatch.setattr(_planner, "time_rounds", _rounds_of(stand_in))
     plan = planner.plan(peak)
     assert plan.schedule.items == every
     assert plan.measured_peak_bytes == peak
@@ -542,15 +573,59 @@ def test_plan_is_a_plain_function_and_schedules_import_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_profile_charges_a_fixed_cost_per_region():
-    # NOTE [time of a region]: measured on the first two blocks (a tiny op for one block);
-    # every figure a time >= 0, and a region over several stages costs one fixed part.
+class _CountingClock:
+    """Runs each timed call and reports 1 ms per module call and 0.5 ms per region.
+
+    A region's step runs its block twice (forward, then the re-run in backward)
+    and one region more than the plain step, so every figure the profile derives
+    from differences of such times is known exactly beforehand.
+    """
+
+    module_s, region_s = 1e-3, 0.5e-3
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.modules = self.regions = 0
+        real = _profile.run_region
+
+        def run_region(*args, **kwargs):
+            self.regions += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_profile, "run_region", run_region)
+
+    def _count(self, module, args) -> None:
+        self.modules += 1
+
+    def elapsed(self, fn) -> float:
+        modules, regions = self.modules, self.regions
+        handle = nn.modules.module.register_module_forward_pre_hook(self._count)
+        try:
+            fn()
+        finally:
+            handle.remove()
+        return (self.modules - modules) * self.module_s + (self.regions - regions) * self.region_s
+
+
+def test_profile_charges_a_fixed_cost_per_region(monkeypatch):
+    # NOTE [time of a region]: a one-stage region's extra time is its re-run plus the
+    # fixed cost; the fixed cost is what a pair forgotten as one region saves over two
+    # (a tiny op's region for one block), and a stage is charged its re-run alone.
+    # On a clock whose figures are known, each comes out exactly.
     model, x, target = _model("residual_mlp")
-    chain = forget.profile_chain(model, x, target, repeats=1)
-    assert chain.region_overhead_s >= 0.0
-    assert all(s.forward_nograd_s >= 0.0 for s in chain.stages)
-    one = forget.profile_chain(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), repeats=1)
-    assert one.region_overhead_s >= 0.0
+    clock = _CountingClock(monkeypatch)
+    with _clock.using(clock):
+        chain = forget.profile_chain(model, x, target, repeats=1)
+        # One block: a Sequential of a Linear and a Tanh (whose saved output is forgotten).
+        block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        one = forget.profile_chain([block], torch.randn(2, 4), repeats=1)
+    assert clock.regions > 0
+    assert chain.region_overhead_s == pytest.approx(clock.region_s)
+    assert one.region_overhead_s == pytest.approx(clock.region_s)
+    # The re-run of a stage is one more forward: its forward's time, to the count.
+    assert all(s.forward_s > 0 for s in chain.stages)
+    assert all(s.forward_nograd_s == pytest.approx(s.forward_s) for s in chain.stages)
+    assert one.stages[0].forward_nograd_s == pytest.approx(one.stages[0].forward_s)
+    assert one.stages[0].forward_s == pytest.approx(3 * clock.module_s)  # three modules
     n = len(chain)
     merged = P.Schedule.from_items(chain, (P.Region(tuple(P.Keep(i) for i in range(n))),))
     split = P.Schedule.from_items(chain, tuple(P.Region((P.Keep(i),)) for i in range(n)))
@@ -572,7 +647,18 @@ def test_profile_charges_a_fixed_cost_per_region():
 )
 def test_split_plans_inside_blocks_exactly_and_keeps_baselines_on_whole_blocks(name, parts):
     model, x, target = _model(name)
-    planner = Planner(model, (x, target), repeats=1, split=True)
+    # The fixed clock times every stage alike, which ties every schedule; times that
+    # grow with what a stage saves make the cheapest re-runs the ones to forget.
+    chain = forget.profile_chain(model, x, target, repeats=1, split=True)
+    chain = dataclasses.replace(
+        chain,
+        stages=tuple(
+            dataclasses.replace(s, forward_s=t, forward_nograd_s=t, backward_s=2 * t)
+            for s in chain.stages
+            for t in [1e-9 * (s.saved_bytes + s.output_bytes)]
+        ),
+    )
+    planner = Planner(model, (x, target), repeats=1, split=True, chain=chain)
     blocks = len(model.blocks)
     per_block = len(parts)
     assert planner.block_sizes == (per_block,) * blocks
@@ -705,7 +791,7 @@ def test_stages_meeting_at_a_cut_no_backward_reads_are_planned_as_one(tmp_path, 
 
     chain = forget.profile_chain(net, x, repeats=1, split=True)
     with monkeypatch.context() as m:
-        m.setattr(planning, "_dead_cuts", lambda target, offered: [[1] * len(o) for o in offered])
+        m.setattr(_targets, "_dead_cuts", lambda target, offered: [[1] * len(o) for o in offered])
         cut = forget.profile_chain(net, x, repeats=1, split=True)
     assert [s.name for s in cut.stages][:3] == ["0.0", "0.1", "0.2"]
     assert store_all(cut) - store_all(chain) > 64 * 256 * 4
@@ -750,6 +836,7 @@ def test_a_cut_some_backward_reads_is_kept():
     assert target.stage_parts is None
 
 
+@pytest.mark.usefixtures("wall_clock")  # the pairs run; the stand-in below gives their times
 def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch):
     # NOTE [time of a region]: one pair's difference of differences scatters widely.
     blocks = [nn.Linear(4, 4) for _ in range(10)]
@@ -762,10 +849,10 @@ def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch)
         timed.append(len(timed))
         return [0.0, 0.004, 0.009, 0.0][len(timed) - 1]
 
-    monkeypatch.setattr(planning, "_alternating_median_difference", fake)
+    monkeypatch.setattr(_profile, "_alternating_median_difference", fake)
     seen = []
     monkeypatch.setattr(
-        planning, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
+        _profile, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
     )
     held = {i: inputs[i] for i in _timing._pair_starts(len(blocks))}  # as _profile holds them
     region_s = _profile._region_overhead_s(blocks, held, stages, repeats=1)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from .. import schedules as P
 from ..engine import regenerating, run_region
 from ..memory import frozen_heap, measure
 from ..policies import Policy, as_policy
+from ._clock import elapsed
 from ._targets import Block, LossFn, _check_tensor, _nbytes, _Target, _target, untouched
 from ._timing import _alternating_median_difference, _median_s, _pair_starts, _step_timer
 
@@ -152,9 +152,7 @@ def _profile_stage(
             if not y.requires_grad:
                 return 0.0
             grad = torch.ones_like(y)
-            start = time.perf_counter()
-            y.backward(grad)
-            return time.perf_counter() - start
+            return elapsed(functools.partial(y.backward, grad))
 
         return timed
 

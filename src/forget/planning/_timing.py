@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import random
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
+from ._clock import elapsed
 from ._targets import Block, _Target, untouched, zero_grads
 
 K = TypeVar("K")
@@ -20,12 +20,7 @@ K = TypeVar("K")
 
 
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(elapsed(fn) for _ in range(repeats))
 
 
 def _step_timer(forward: Callable[[], Any], clear: Callable[[], None]) -> Callable[[], float]:
@@ -33,11 +28,12 @@ def _step_timer(forward: Callable[[], Any], clear: Callable[[], None]) -> Callab
 
     def timed() -> float:
         clear()
-        start = time.perf_counter()
+        return elapsed(step)
+
+    def step() -> None:
         y = forward()
         if isinstance(y, Tensor) and y.requires_grad:
             y.backward(torch.ones_like(y))
-        return time.perf_counter() - start
 
     return timed
 
@@ -87,10 +83,9 @@ def time_calls(
         for key in order:
             if prepare is not None:
                 prepare(key)
-            start = time.perf_counter()
-            calls[key]()
+            seconds = elapsed(calls[key])
             if round_:
-                times[key].append(time.perf_counter() - start)
+                times[key].append(seconds)
     return times
 
 
