@@ -43,9 +43,9 @@ from torch import Tensor, nn
 import forget
 from forget import ForgetError
 
-from ..memory import MIB
 from ..models import MODEL_NAMES, SIZES, BlockWrapper, build_model
 from ..planning import time_calls
+from ..schedules import MIB
 from ._common import Progress, mib, require_matplotlib, wrote
 
 VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")

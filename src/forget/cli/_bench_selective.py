@@ -36,9 +36,9 @@ from torch import nn
 
 import forget
 from forget import policies
-from forget.memory import MIB
 from forget.models import SIZES, build_model
 from forget.planning import time_calls
+from forget.schedules import MIB
 
 __all__ = ["VARIANTS", "format_rows", "run"]
 

@@ -16,9 +16,9 @@ import torch
 
 from .. import policies
 from .. import schedules as P
-from ..memory import MIB
 from ..models import MODEL_NAMES, BlockModel, build_model, model_settings
 from ..policies import Policy
+from ..schedules import MIB
 
 #: The budget of one plan, as every command reads it: `forget.schedules.parse_budget`'s
 #: grammar (bytes, ``"512MiB"``, ``"50%"``), or ``min``, the least feasible budget.

@@ -22,8 +22,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import forget
-from forget.memory import MIB
 from forget.planning import time_calls
+from forget.schedules import MIB
 
 Wrap = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 

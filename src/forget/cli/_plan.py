@@ -24,10 +24,11 @@ import torch
 
 from .. import schedules as P
 from ..errors import BudgetInfeasibleError
-from ..memory import MIB, frozen_heap
+from ..memory import frozen_heap
 from ..models import MODEL_NAMES, SIZES
 from ..planning import Plan, Planner, paired_overheads, run_items, time_side_by_side
 from ..policies import Policy
+from ..schedules import MIB
 from ._common import (
     BUDGET_HELP,
     OPTION_GROUPS,

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from ..errors import BudgetInfeasibleError
-from ..memory import MIB, Ledger, format_bytes, watch
+from ..memory import Ledger, watch
 from ..models import SIZES
 from ..planning import Plan, Planner, untouched, zero_grads
+from ..schedules import MIB, format_bytes
 from ._common import (
     BUDGET_HELP,
     Progress,

@@ -21,18 +21,14 @@ from ._reports import RegionStats as RegionStats
 from ._reports import SavedReport as SavedReport
 from ._reports import SavedTensor as SavedTensor
 from ._saved import saved as saved
-from ._units import MIB as MIB
-from ._units import format_bytes as format_bytes
 
 __all__ = [
-    "MIB",
     "PROBES",
     "Ledger",
     "MemoryReport",
     "RegionStats",
     "SavedReport",
     "SavedTensor",
-    "format_bytes",
     "frozen_heap",
     "measure",
     "region",

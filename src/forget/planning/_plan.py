@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from .. import schedules as P
 from ..engine import InTurn, run_region
-from ..memory import format_bytes
 from ..policies import Policy
+from ..schedules import format_bytes
 from ._profile import _check_options, _run_option
 from ._targets import Block, _group, sub_stages
 

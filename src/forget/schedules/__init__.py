@@ -37,9 +37,12 @@ from ._solve import get_algorithm as get_algorithm
 from ._solve import min_feasible_bytes as min_feasible_bytes
 from ._solve import pareto as pareto
 from ._solve import solve as solve
+from ._units import MIB as MIB
+from ._units import format_bytes as format_bytes
 
 __all__ = [
     "ALGORITHMS",
+    "MIB",
     "Algorithm",
     "Chain",
     "Keep",
@@ -52,6 +55,7 @@ __all__ = [
     "StageOption",
     "evaluate",
     "forget_each_items",
+    "format_bytes",
     "get_algorithm",
     "min_feasible_bytes",
     "on_sub_stages",

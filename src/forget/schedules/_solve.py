@@ -21,6 +21,7 @@ from ._dp import (
 )
 from ._revolve import revolve_items
 from ._schedule import Item, Schedule, evaluate
+from ._units import format_bytes
 
 __all__ = [
     "ALGORITHMS",
@@ -69,7 +70,7 @@ def _infeasible(
 ) -> BudgetInfeasibleError:
     return BudgetInfeasibleError(
         f"forget: no {name!r} schedule fits budget_bytes={budget} for this {len(chain)}-stage "
-        f"chain; the smallest feasible budget is {minimum} bytes ({minimum / 2**20:.3f} MiB), "
+        f"chain; the smallest feasible budget is {minimum} bytes ({format_bytes(minimum)}), "
         f"because {why}; raise the budget to at least {minimum} bytes, or shrink the "
         "activations (smaller batch or sequence)",
         budget_bytes=budget,
