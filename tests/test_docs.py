@@ -36,6 +36,11 @@ def test_examples_are_found():
     } <= set(MODULES)
 
 
+# The examples plan and profile to show what a plan does with bytes; they run on the
+# fixed clock (conftest.py), which skips the timed steps, not the measured ones.
+pytestmark = pytest.mark.usefixtures("fixed_clock")
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     module = importlib.import_module(name)

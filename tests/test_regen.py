@@ -232,6 +232,7 @@ def test_a_regions_outputs_are_left_to_the_region():
     assert torch.equal(x.grad, expected)
 
 
+@pytest.mark.usefixtures("fixed_clock")  # bytes and gradients, not times
 def test_a_plan_may_keep_mlp_halves_with_their_gelu_regenerated(tmp_path):
     # The GPT's MLP half: GELU's output is 4x the width, rebuilt for one GELU.
     model = build_model("tiny_gpt", "tiny")
@@ -262,6 +263,7 @@ def test_a_plan_may_keep_mlp_halves_with_their_gelu_regenerated(tmp_path):
     )
 
 
+@pytest.mark.usefixtures("fixed_clock")  # bytes and gradients, not times
 def test_a_plan_may_regenerate_inside_its_regions():
     # NOTE [options in regions]: the profile marks regenerate options as fit for
     # a region's re-run, policy regions not; such a schedule gives the plain
