@@ -56,8 +56,8 @@ def _region_overhead_s(
     more than the plain step; as two regions, ``extra_i + extra_i+1`` (their
     stages' ``forward_nograd_s`` as profiled). The difference is what the
     second region's setup, hooks and recomputation cost beyond its ops. One
-    pair's difference of differences scatters widely (0 to 4.4 ms on the
-    residual MLP, profile to profile), so up to `_REGION_PAIRS` disjoint pairs
+    pair's difference of differences scatters widely from profile to profile
+    (benchmarks/measured.md), so up to `_REGION_PAIRS` disjoint pairs
     spread over the chain are measured and the median taken (``inputs`` holds
     the input of block 0 and of each pair's first block). With one block, a
     region around a single tiny op stands in.
