@@ -29,6 +29,21 @@ WIDTH = 8
 GC_SLACK = 16
 
 
+@pytest.fixture
+def everything_in_view():
+    """Every object in ``gc.get_objects()``, for the test; frozen again after.
+
+    conftest.py freezes what each test finds alive, and frozen objects are not in
+    ``gc.get_objects()``: a region an earlier test leaked would hide. Tests that
+    check no region is alive see every object.
+    """
+    gc.unfreeze()
+    gc.collect()
+    yield
+    gc.collect()
+    gc.freeze()
+
+
 # type(), not isinstance(): isinstance reads ``__class__``, which some objects in
 # torch.distributed answer with a FutureWarning (an error under this test suite).
 def _tensors_alive() -> int:
@@ -74,7 +89,7 @@ def _train(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: i
         del loss
 
 
-def test_hundreds_of_steps_keep_live_tensors_and_objects_flat():
+def test_hundreds_of_steps_keep_live_tensors_and_objects_flat(request):
     torch.manual_seed(0)
     net = Net().train()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -87,6 +102,7 @@ def test_hundreds_of_steps_keep_live_tensors_and_objects_flat():
     tensors_after, objects_after = _tensors_alive(), len(gc.get_objects())
     assert tensors_after == tensors_before
     assert abs(objects_after - objects_before) <= GC_SLACK, (objects_before, objects_after)
+    request.getfixturevalue("everything_in_view")
     assert _regions_alive() == 0
 
 
@@ -99,6 +115,7 @@ def _region_tree(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("how", ["backward", "autograd_grad", "subset_grad", "retain_twice"])
+@pytest.mark.usefixtures("everything_in_view")
 def test_regions_are_freed_after_backward(how):
     torch.manual_seed(0)
     lin = nn.Linear(WIDTH, WIDTH)
@@ -123,6 +140,7 @@ def test_regions_are_freed_after_backward(how):
     assert _regions_alive() == 0
 
 
+@pytest.mark.usefixtures("everything_in_view")
 def test_dropping_the_output_without_backward_frees_the_regions():
     lin = nn.Linear(WIDTH, WIDTH)
     x = torch.randn(3, WIDTH, requires_grad=True)
@@ -131,6 +149,7 @@ def test_dropping_the_output_without_backward_frees_the_regions():
     assert _regions_alive() == 0
 
 
+@pytest.mark.usefixtures("everything_in_view")
 def test_double_backward_frees_the_regions():
     lin = nn.Linear(WIDTH, WIDTH)
     x = torch.randn(3, WIDTH, requires_grad=True)
