@@ -78,3 +78,18 @@ def test_the_rules_catch_what_they_forbid():
     assert _imports("from ._plan import Plan\n", planning) == [
         (("forget", "planning", "_plan"), "Plan")
     ]
+
+
+def test_public_functions_stay_functions_once_every_subpackage_is_imported():
+    # A subpackage named like a public function would replace it on `forget`
+    # when imported (what made `forget.plan` a module); none is.
+    import importlib
+
+    import forget
+
+    for name in ("engine", "memory", "planning", "schedules", "cli", "integrations"):
+        importlib.import_module(f"forget.{name}")
+    for name in ("forget", "checkpoint", "plan", "saved", "measure", "regenerating"):
+        value = getattr(forget, name)
+        assert callable(value) and not isinstance(value, type(forget)), name
+    assert forget.plan.__module__ == "forget.planning._planner"
