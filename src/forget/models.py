@@ -14,7 +14,7 @@ the rest, trading one extra forward of the block for its activations.
   :func:`torch.nn.functional.scaled_dot_product_attention` and dropout
   (randomness that a recomputation must replay exactly).
 
-Every block also offers finer stages for `forget.schedules` with ``split=True``
+Every block also offers finer stages for `forget.plan` with ``split=True``
 (``forget_stages()``: an MLP block's residual sum and its LayerNorm, a GPT
 block's two residual halves, a conv block's conv, BatchNorm and ReLU), so
 that a plan may cut inside a block.

@@ -22,7 +22,7 @@ mask is kept as bits, 1/32 of its float32 bytes. Draws a policy does not
 keep are drawn again from the replayed RNG state.
 
 This module imports no torch: policies are plain values, usable by the
-planner (`forget.schedules`) as per-stage options.
+planner (`forget.plan`) as per-stage options.
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def regenerate(*ops: str) -> Policy:
     [regenerate] in ``forget.engine._regenerate``): GELU's output, which the next Linear
     saves, costs one GELU in backward instead of its bytes. Gradients are
     bitwise the plain run's. With no ``ops``, every entry of `REGENERABLE`.
-    Use it as a stage option of `forget.schedules` (``options={"regen":
+    Use it as a stage option of `forget.plan` (``options={"regen":
     regenerate()}``) or around plain code with ``forget.regenerating``.
 
     Raises:
