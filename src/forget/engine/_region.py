@@ -1,4 +1,4 @@
-"""The forget primitive: a saved-tensor-hooks engine.
+"""A forgotten region: slots for what autograd saves, the re-run, early stop, nesting.
 
 NOTE [how forget works]: the forward runs ``func`` with grad enabled under
 saved-tensor hooks whose pack keeps nothing: each tensor autograd wants to
