@@ -99,6 +99,12 @@ class _KeptSlot(_Slot):
     (a region input, a parameter, a view of one) is alive anyway, so keeping it costs
     nothing and spares a recomputation; its version is checked at unpack, as
     autograd checks the tensors it saves.
+
+    NOTE [saved identity]: such a tensor that requires no grad is kept as the very
+    object autograd saved, so a custom ``autograd.Function`` gets back what it
+    saved (``saved is b``), as under torch's checkpoint. One that requires grad is
+    kept as a detached alias (NOTE [hidden aliases]): holding the tensor itself
+    would hold its history from inside the graph.
     """
 
     __slots__ = ("value", "version")
@@ -227,9 +233,13 @@ class Region:
                 tracker.packed_draws.add(drawn)  # NOTE [kept draws]
         slot: _Slot
         if action is None and _external(t, key):
-            alias = detached(t)  # NOTE [hidden aliases]
             if t.requires_grad:
+                alias = detached(t)  # NOTE [hidden aliases]
                 alias.requires_grad_()  # a nested region re-run from it must save as before
+            else:
+                # NOTE [saved identity]: no history to hold through it, so the very
+                # object: backward gets back what it saved (``saved is b``), as in torch.
+                alias = t
             slot = _KeptSlot(self, index, alias, version=t._version)
         elif action is None or self._tracker is None:
             slot = _Slot(self, index)

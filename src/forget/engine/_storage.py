@@ -3,9 +3,14 @@
 The engine asks whether two tensors share memory (a saved tensor an op of the
 region made, an argument an op wrote into) by `storage_key`, the device and
 address of the tensor's storage: cheap, and equal for every view of one
-storage. The ledger follows a storage *object* (its records must survive a
-``resize_``, which moves the address), so it keys by the object `storage_of`
-returns; torch keeps one Python object per live storage.
+storage. A tensor with no storage of its own (a wrapper subclass made with
+``_make_wrapper_subclass``, as DTensor, float8 and NF4 tensors are; a meta or
+fake tensor) has no address to compare: its key is the object itself, so only
+the very same tensor matches it, which can only err towards keeping a tensor
+the region made (memory, never exactness). The ledger follows a storage
+*object* (its records must survive a ``resize_``, which moves the address), so
+it keys by the object `storage_of` returns; torch keeps one Python object per
+live storage.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import torch
 
 __all__ = ["StorageKey", "storage_key", "storage_of", "view_key"]
 
-StorageKey = tuple[torch.device, int]
+#: ``(device, address)`` of a storage, or ``(device, "object", id)`` of a tensor
+#: without one: the two shapes never compare equal.
+StorageKey = tuple[Any, ...]
 
 
 def storage_of(t: Any) -> torch.UntypedStorage | None:
@@ -32,8 +39,22 @@ def storage_of(t: Any) -> torch.UntypedStorage | None:
 
 
 def storage_key(t: torch.Tensor) -> StorageKey:
-    """The device and address of ``t``'s storage: equal for every view of one storage."""
-    return (t.device, t.untyped_storage().data_ptr())
+    """The device and address of ``t``'s storage: equal for every view of one storage.
+
+    A tensor without a storage of its own is keyed by the object itself.
+    """
+    if type(t) in _PLAIN:
+        return (t.device, t.untyped_storage().data_ptr())
+    s = storage_of(t)
+    if s is not None and s.device.type != "meta":  # a fake tensor's storage is meta
+        try:
+            return (t.device, s.data_ptr())
+        except RuntimeError:  # a wrapper whose storage is a placeholder
+            pass
+    return (t.device, "object", id(t))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def view_key(t: torch.Tensor) -> tuple[Any, ...]:
