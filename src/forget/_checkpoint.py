@@ -2,7 +2,9 @@
 
 It has the call signature and the non-reentrant behaviour of torch's
 function (keyword arguments reach the function, outputs may be any nested
-structure with non-tensors, recomputation stops early), and runs on forget's
+structure with non-tensors, recomputation stops early unless ``early_stop=False``
+or torch's ``set_checkpoint_early_stop(False)`` says otherwise, ``debug`` or
+torch's ``set_checkpoint_debug_enabled(True)`` traces ops), and runs on forget's
 engine, so module state comes out as after a plain step (see NOTE [state
 tracking]) and RNG is replayed for every op that draws.
 """
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 
 from .engine import compiled_region, run_region
 from .policies import Policy, as_policy
@@ -31,6 +34,7 @@ def checkpoint(
     determinism_check: str = "default",
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
     debug: bool = False,
+    early_stop: bool = True,
     policy: Policy | bool | None = None,
     **kwargs: Any,
 ) -> Any:
@@ -52,8 +56,19 @@ def checkpoint(
             rebuilt tensor with the forward's; ``"none"`` skips the comparison.
         context_fn: returns two context managers, entered around the forward and
             the recomputation respectively (as in torch).
-        debug: accepted for compatibility; mismatch errors always name the
-            tensor, its position and both metadata.
+        debug: on a recomputation mismatch, also show the ops the forward and
+            the re-run ran around their first difference: op, output dtypes and
+            shapes, and the line of your code that called it. Costs a dispatch mode
+            and a stack walk per op, in the forward and the re-run, so leave it off
+            unless chasing a mismatch. ``set_checkpoint_debug_enabled(True or
+            False)`` of ``torch.utils.checkpoint``, when active around the forward,
+            overrides it (``None`` defers to ``debug``), as in torch.
+        early_stop: stop the re-run as soon as every tensor backward still needs
+            is rebuilt (ops after the last one do not run again); ``False`` runs
+            the whole function again, and then checks that it saved as many
+            tensors as the forward. ``set_checkpoint_early_stop(...)`` of
+            ``torch.utils.checkpoint``, when active around the forward, overrides
+            it, as in torch.
         policy: which op outputs to keep, recompute or offload (`forget.policies`);
             ``None``/``False`` keep nothing, ``True`` keeps everything. A keyword
             ``policy`` therefore never reaches ``function``.
@@ -75,7 +90,6 @@ def checkpoint(
         >>> layer.weight.grad.shape
         torch.Size([4, 4])
     """
-    del debug
     if not callable(function):
         raise TypeError(f"forget: function must be callable, but got {type(function).__name__}.")
     if determinism_check not in _DETERMINISM_CHECKS:
@@ -99,11 +113,14 @@ def checkpoint(
             preserve_rng_state=preserve_rng_state,
             determinism_check=determinism_check,
             context_fn=context_fn,
+            early_stop=early_stop,
         )
     options: dict[str, Any] = {
         "preserve_rng_state": preserve_rng_state,
         "check": determinism_check == "default",
         "policy": as_policy(policy),
+        "early_stop": _torch_flag("_enable_checkpoint_early_stop", early_stop),
+        "debug": _torch_flag("_checkpoint_debug_enabled", debug),
     }
     if context_fn is None:
         return run_region(function, args, kwargs, **options)
@@ -112,3 +129,14 @@ def checkpoint(
         return run_region(
             function, args, kwargs, recompute_context=lambda: recompute_context, **options
         )
+
+
+def _torch_flag(name: str, local: bool) -> bool:
+    """What torch's checkpoint would use: its global flag ``name`` when set, else ``local``.
+
+    ``set_checkpoint_early_stop`` and ``set_checkpoint_debug_enabled`` set a module
+    global of ``torch.utils.checkpoint`` (``None`` when no such context is active),
+    read, as torch reads it, when the forward runs.
+    """
+    value = getattr(torch_checkpoint, name, None)
+    return local if value is None else bool(value)

@@ -8,6 +8,7 @@
   of each aten op (NOTE [op info]).
 - `_selective`: a policy's replay: kept op outputs and kept draws.
 - `_offload`, `_regenerate`: saved tensors moved to the host, or rebuilt.
+- `_debug`: ``debug=True``'s op traces of forward and re-run (NOTE [debug trace]).
 - `_storage`: storage identity; `_in_turn`: callables run in turn;
   `_local`: per-thread state (running regions, hidden ops).
 

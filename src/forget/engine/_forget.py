@@ -21,6 +21,8 @@ def run_region(
     check: bool = True,
     recompute_context: Callable[[], Any] | None = None,
     policy: Policy | None = None,
+    early_stop: bool = True,
+    debug: bool = False,
 ) -> Any:
     """Run ``func(*args, **kwargs)`` as a forgotten region and return what it returns.
 
@@ -28,12 +30,15 @@ def run_region(
     so ``func`` just runs, once. Under `policies.save_everything` nothing is
     recomputed: ``func`` runs once as plain autograd, which keeps exactly what
     backward reads (replaying every op output would keep more: views and
-    in-place updates re-run and need their bases).
+    in-place updates re-run and need their bases). ``early_stop`` and ``debug``
+    are `Region`'s (NOTE [early stop], NOTE [debug trace]).
     """
     if not torch.is_grad_enabled() or (policy is not None and policy.saves_everything):
         return func(*args, **kwargs)
     if torch.compiler.is_compiling():
-        return compiled_region(func, args, kwargs, preserve_rng_state=preserve_rng_state)
+        return compiled_region(
+            func, args, kwargs, preserve_rng_state=preserve_rng_state, early_stop=early_stop
+        )
     region = Region(
         func,
         args,
@@ -42,6 +47,8 @@ def run_region(
         check=check,
         recompute_context=recompute_context,
         policy=policy,
+        early_stop=early_stop,
+        debug=debug,
     )
     return region.run_forward()
 
@@ -54,6 +61,7 @@ def compiled_region(
     preserve_rng_state: bool = True,
     determinism_check: str = "default",
     context_fn: Callable[[], tuple[Any, Any]] | None = None,
+    early_stop: bool = True,
 ) -> Any:
     """Run a region that ``torch.compile`` is tracing: as torch's non-reentrant checkpoint.
 
@@ -63,7 +71,8 @@ def compiled_region(
     ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which dynamo turns
     into a recomputed subgraph. Lost there (docs/compile.md): policies (everything
     is recomputed), the restoring of mutated buffers (BatchNorm running statistics)
-    and ``forget.in_recomputing()``. Eager runs never come here.
+    and ``forget.in_recomputing()``; ``debug`` is torch's (its global flag). Eager
+    runs never come here.
     """
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -74,6 +83,7 @@ def compiled_region(
         use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
+        early_stop=early_stop,
         **extra,
         **kwargs,
     )

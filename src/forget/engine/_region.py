@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
+from ._debug import OpTrace
 from ._local import _packers, hidden
 from ._offload import Offloaded, offload, warn_cpu_once
 from ._regenerate import REGION_OUTPUT, rerun_pack, resolve
@@ -161,6 +162,10 @@ class Region:
             recomputation (``context_fn``'s second half in ``forget.checkpoint``).
         policy: which op outputs to keep, recompute or offload (`forget.policies`);
             ``None`` keeps nothing.
+        early_stop: stop the re-run once every needed tensor is rebuilt (NOTE [early
+            stop]); ``False`` runs the whole function again.
+        debug: record the ops of the forward and the re-run, shown on a mismatch
+            (NOTE [debug trace]).
     """
 
     def __init__(
@@ -173,6 +178,8 @@ class Region:
         check: bool = True,
         recompute_context: Callable[[], Any] | None = None,
         policy: Policy | None = None,
+        early_stop: bool = True,
+        debug: bool = False,
     ) -> None:
         if policy is not None and policy.regenerate:
             raise TypeError(
@@ -191,6 +198,8 @@ class Region:
         self.check = check
         self.recompute_context = recompute_context
         self.preserve_rng_state = preserve_rng_state
+        self.early_stop = early_stop
+        self._trace = OpTrace() if debug else None  # NOTE [debug trace]
         flat, self._spec = pytree.tree_flatten((args, kwargs))
         self._tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in self._tensor_pos]
@@ -279,7 +288,11 @@ class Region:
         _packers.stack.append(self._pack)
         _packers.trackers.append(tracker)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), tracker:
+            with (
+                torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
+                tracker,
+                self._trace.recording_forward() if self._trace is not None else _null(),
+            ):
                 out = self.func(*args, **kwargs)
         finally:
             _packers.stack.pop()
@@ -346,7 +359,7 @@ class Region:
         # rebuilt tensors; so the hook reaches the region only through a weak reference.
         region_ref = weakref.ref(self)
         meta, check, name = self._meta, self.check, _name(self.func)
-        writers = self._writers
+        writers, early_stop = self._writers, self.early_stop
 
         def collect(t: torch.Tensor) -> torch.Tensor:
             nonlocal count
@@ -394,7 +407,7 @@ class Region:
                             alias = packed  # the re-run's graph holds it too, not t
                     region._rebuilt[index] = alias
                 needed.discard(index)
-                if not needed:
+                if not needed and early_stop:
                     if tracker is not None:
                         tracker.stop_at(_stop_position(tracker.position, writers))
                     elif _stop_position(positions[index], writers) == positions[index]:
@@ -431,10 +444,15 @@ class Region:
                 extra,
                 torch.autograd.graph.saved_tensors_hooks(collect, resolve),
                 tracker if tracker is not None else _null(),
+                self._trace.recording_rerun() if self._trace is not None else _null(),
             ):
                 self.func(*args, **kwargs)
         except StopRecomputation:
             pass
+        except RecomputationMismatchError as error:
+            if self._trace is not None:
+                self._trace.explain(error)  # NOTE [debug trace]
+            raise
         finally:
             _packers.stack.pop()
             if tracker is not None:
@@ -444,12 +462,16 @@ class Region:
             for slot, before in zip(external, versions_before, strict=True):
                 assert slot.version is not None and isinstance(slot.value, torch.Tensor)
                 slot.version += slot.value._version - before
-        if needed:
-            raise RecomputationMismatchError(
+        # Without early stop the whole function ran: it must have saved what the forward did.
+        if needed or (not early_stop and count != len(self._meta)):
+            mismatch = RecomputationMismatchError(
                 f"forget: the recomputation of {_name(self.func)} saved {count} tensors for "
                 f"backward, its forward saved {len(self._meta)}; the function must run the same "
                 "ops both times."
             )
+            if self._trace is not None:
+                self._trace.explain(mismatch)
+            raise mismatch
         self._versions = [flat[i]._version for i in self._tensor_pos]
 
     def _check_versions(self, flat: list[Any]) -> None:
@@ -492,7 +514,9 @@ def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
     into an argument, which may be the tensor just packed (rrelu_with_noise fills
     its saved ``noise``): then it stops once that op has finished. Ops at the
     returned position and after it do not run again; their inputs are not needed
-    (NOTE [unneeded kept outputs]).
+    (NOTE [unneeded kept outputs]). With ``early_stop=False`` (torch's flag) the
+    re-run never stops: the whole function runs, and must save as many tensors
+    as the forward did.
     """
     if pending is None:
         return None
