@@ -11,9 +11,11 @@ import sys
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
+import forget
 from forget import cli
-from forget.cli import _bench, _common
+from forget.cli import _bench, _bench_launch, _common
 from forget.models import MODEL_NAMES, build_model
 
 VARIANTS = ["plain", "torch_checkpoint", "forget"]
@@ -30,7 +32,7 @@ def tiny_run(tmp_path_factory):
 def test_json_schema_is_exact(tiny_run):
     status, data = tiny_run
     assert status == 0
-    assert set(data) == {"models", "meta", "selective"}
+    assert set(data) == {"models", "meta", "launch_bound", "selective"}
     assert list(data["models"]) == list(MODEL_NAMES)
     for name, per in data["models"].items():
         assert list(per) == VARIANTS, name
@@ -58,7 +60,7 @@ def test_step_time_is_the_median_of_the_interleaved_rounds(monkeypatch, capsys):
         return {key: rounds[key] for key in calls}
 
     monkeypatch.setattr(_bench, "time_calls", fake_time_calls)
-    argv = ["--size", "tiny", "--repeats", "3", "--models", "mlp", "--no-selective"]
+    argv = ["--size", "tiny", "--repeats", "3", "--models", "mlp", "--no-selective", "--no-launch"]
     assert _bench.main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert seen == [(VARIANTS, 3)]
@@ -77,6 +79,95 @@ def test_step_time_is_the_median_of_the_interleaved_rounds(monkeypatch, capsys):
         "variant / plain (or / torch_checkpoint), so below 1 is less memory or time; "
         "buffers: module buffers after the run vs plain."
     )
+
+
+def test_launch_bound_row_in_the_json(tiny_run):
+    _, data = tiny_run
+    row = data["launch_bound"]
+    assert set(row) == {
+        *("ops", "numel", "rounds", "step_s", "plain_us_per_op", "extra_us_per_op"),
+        *("forget_over_torch_us_per_op", "grads_equal_to_plain"),
+    }
+    assert (row["ops"], row["numel"], row["rounds"]) == (_bench_launch.OPS["tiny"], 64, 5)
+    assert list(row["step_s"]) == VARIANTS
+    assert list(row["extra_us_per_op"]) == VARIANTS[1:]
+    assert row["grads_equal_to_plain"] == {"torch_checkpoint": True, "forget": True}
+
+
+def test_launch_bound_row_is_paired_microseconds_per_op(monkeypatch, capsys, tmp_path):
+    # --repeats 1: five rounds; each checkpoint's extra time is the median of its
+    # per-round difference to plain (or to torch's), over the chain's 300 ops.
+    plain = [3000e-6, 3300e-6, 2700e-6, 6000e-6, 3000e-6]
+    rounds = {
+        "plain": plain,
+        "torch_checkpoint": [
+            t + d for t, d in zip(plain, [3e-3, 3e-3, 3e-3, 9e-3, 0.0], strict=True)
+        ],
+        "forget": [t + 6e-3 for t in plain],
+    }
+    seen = []
+
+    def fake_time_calls(calls, repeats, *, prepare):
+        seen.append((list(calls), repeats))
+        return {key: rounds[key] for key in calls}
+
+    def no_model_timing(calls, repeats, *, prepare):
+        return {key: [1.0] for key in calls}
+
+    monkeypatch.setattr(_bench_launch, "time_calls", fake_time_calls)
+    monkeypatch.setattr(_bench, "time_calls", no_model_timing)
+    path = tmp_path / "out.json"
+    argv = ["--quick", "--repeats", "1", "--models", "mlp", "--no-selective", "--json", str(path)]
+    assert _bench.main(argv) == 0
+    row = json.loads(path.read_text())["launch_bound"]
+    assert seen == [(VARIANTS, 5)]
+    out = capsys.readouterr().out.splitlines()
+    start = out.index(
+        "launch-bound chain: 300 elementwise ops on 64 floats, one region over the chain; "
+        "step = forward + backward, median of 5 rounds"
+    )
+    assert out[start + 1].split() == [
+        *("variant", "step", "ms", "us/op", "+us/op", "vs", "plain"),
+        *("+us/op", "vs", "torch", "grads"),
+    ]
+    cells = [line.split() for line in out[start + 3 : start + 6]]
+    assert cells[0] == ["plain", "3.00", "10.00"]
+    assert cells[1] == ["torch_checkpoint", "6.00", "20.00", "+10.00", "=plain"]
+    assert cells[2] == ["forget", "9.00", "30.00", "+20.00", "+10.00", "=plain"]
+    assert row["plain_us_per_op"] == pytest.approx(10.0)
+    assert row["extra_us_per_op"] == pytest.approx({"torch_checkpoint": 10.0, "forget": 20.0})
+    assert row["forget_over_torch_us_per_op"] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("variant", ["torch_checkpoint", "forget"])
+def test_launch_bound_gradient_mismatch_is_reported(variant, monkeypatch, capsys):
+    def wrong(ops, x):
+        return _bench_launch.chain(x, ops) * 2.0
+
+    monkeypatch.setitem(_bench_launch.RUNNERS, variant, wrong)
+    assert _bench.main([*TINY, "--models", "mlp", "--no-selective"]) == 1
+    err = capsys.readouterr().err
+    assert "MISMATCH" in err
+    assert f"launch_bound: {variant} gradients differ from plain" in err
+
+
+def test_launch_bound_checkpoints_rerun_the_chain_once():
+    # What the row's extra time pays for: both checkpoints keep x and run the chain
+    # again in backward (four ops: the last sin saves a tensor made in the region).
+    calls = []
+
+    def counted(h, ops):
+        calls.append(ops)
+        return _bench_launch.chain(h, ops)
+
+    x = torch.randn(4, requires_grad=True)
+    for run in (
+        lambda: torch.utils.checkpoint.checkpoint(counted, x, 4, use_reentrant=False),
+        lambda: forget.checkpoint(counted, x, 4),
+    ):
+        calls.clear()
+        run().sum().backward()
+        assert calls == [4, 4]
 
 
 def test_selective_rows_on_the_gpt_blocks(tiny_run):

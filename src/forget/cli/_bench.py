@@ -20,6 +20,11 @@ The bench also checks correctness: the three variants must compute the same
 loss and gradients bit for bit (CPU), and the ``forget`` variant must leave
 every buffer (BatchNorm running statistics) as the plain one does. A mismatch
 is printed loudly and the command exits with status 1.
+
+After the models' table come the launch-bound row (`_bench_launch`: one
+region over a chain of 300 tiny elementwise ops, the cost per op of
+checkpointing where launches dominate; ``--no-launch`` skips it) and the
+selective-recomputation rows on the GPT blocks (`_bench_selective`).
 """
 
 from __future__ import annotations
@@ -362,6 +367,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the selective-recomputation rows on the TinyGPT blocks",
     )
+    p.add_argument(
+        "--no-launch",
+        action="store_true",
+        help="skip the launch-bound row (a chain of 300 small elementwise ops)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
     return p
 
@@ -421,6 +431,14 @@ def main(argv: Sequence[str]) -> int:
             "or time; buffers: module buffers after the run vs plain."
         )
     payload = result.as_json()
+    if not args.no_launch:
+        from . import _bench_launch
+
+        launch = _bench_launch.run(size=size, repeats=args.repeats, seed=args.seed)
+        payload["launch_bound"] = launch.as_json()
+        print()
+        print(_bench_launch.format_rows(launch))
+        result.problems += launch.problems()
     if "tiny_gpt" in names and not args.no_selective:
         from . import _bench_selective
 
