@@ -43,13 +43,16 @@ def hidden() -> _Hidden:
 class _Packers(threading.local):
     stack: list[Callable[[torch.Tensor], Any]]
     trackers: list[Any]  # their StateTrackers (a type import would be circular)
+    keeping_graph: set[Callable[[torch.Tensor], Any]]
 
     def __init__(self) -> None:
         self.stack = []
         self.trackers = []
+        self.keeping_graph = set()
 
 
 # The pack functions of the regions being run (forward or recomputation) in this
 # thread, innermost last; a nested region stores its inputs through the innermost
-# (NOTE [nesting]). And their trackers, which know what memory the regions made.
+# (NOTE [nesting]). And their trackers, which know what memory the regions made;
+# and which of the packs are re-runs that keep their graph (NOTE [nested grad]).
 _packers = _Packers()

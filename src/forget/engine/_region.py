@@ -32,6 +32,15 @@ NOTE [double backward]: when backward runs with ``create_graph=True`` the
 collected tensors keep their history from the recomputation (which ran on
 the original inputs), so second derivatives flow through them; otherwise
 they are detached and the recomputation's graph is dropped at once.
+
+NOTE [nested grad]: a re-run may start regions of its own and differentiate
+through them with ``create_graph`` (``grad(checkpoint(grad(checkpoint(f))))``).
+Such a region stores its inputs through the re-run's pack, so what that pack
+returns must behave as the tensor did: an alias that keeps ``requires_grad``
+(else the inner region's own re-run would save nothing), and, when the re-run
+keeps its graph, the tensor itself, whose history the second derivatives must
+flow through. Every alias the pack returns keeps ``requires_grad`` for this,
+whether the enclosing region needs that tensor or not.
 """
 
 from __future__ import annotations
@@ -210,7 +219,12 @@ class Region:
         self._forward_flat: list[Any] | None = list(flat)  # dropped after the forward
         self._flat = list(flat)
         for i in self._tensor_pos:
-            self._flat[i] = outer(flat[i]) if outer is not None else flat[i]
+            if outer is None:
+                continue
+            stored = outer(flat[i])
+            # NOTE [nested grad]: in a re-run that keeps its graph (create_graph), the
+            # input itself, whose history second derivatives must flow through.
+            self._flat[i] = flat[i] if outer in _packers.keeping_graph else stored
         self._versions: list[int] = [t._version for t in tensors]
         self._devices = devices_of(func, tensors)
         self._rng: RNGState | None = None
@@ -369,7 +383,12 @@ class Region:
             if region is None or not needed:
                 if past and index < len(positions) and positions[index] > past[0]:
                     raise StopRecomputation
-                return detached(t)
+                unneeded = detached(t)
+                if t.requires_grad:
+                    # NOTE [nested grad]: a region the rest of this re-run starts stores
+                    # its inputs here; without requires_grad its own re-run saves nothing.
+                    unneeded.requires_grad_()
+                return unneeded
             if index >= len(meta):
                 raise RecomputationMismatchError(
                     f"forget: the recomputation of {name} saved more tensors for "
@@ -390,15 +409,15 @@ class Region:
             # would, for an op's output, make a cycle through its grad_fn that the
             # garbage collector cannot see (it runs through C++), leaking the region.
             alias: Any = detached(t)  # NOTE [hidden aliases]
+            if t.requires_grad:
+                # A nested region re-run from it must save for backward as its forward
+                # did (NOTE [nested grad]). The re-run's graph, dropped with it (or, under
+                # create_graph, held through the rebuilt tensors), may hold the alias.
+                alias.requires_grad_()
             if index in needed:
                 if keep_graph:
                     region._rebuilt[index] = t
                 else:
-                    # The alias keeps requires_grad: a nested region re-run from it must
-                    # save for backward as its forward did. The re-run's graph, dropped
-                    # with it, may hold the same alias.
-                    if t.requires_grad:
-                        alias.requires_grad_()
                     regenerate = rerun_pack(collect)  # NOTE [regenerate in a re-run]
                     if regenerate is not None:
                         with hidden():
@@ -432,6 +451,8 @@ class Region:
         generators = _replayed(self._generators)
         extra = self.recompute_context() if self.recompute_context is not None else _null()
         _packers.stack.append(collect)
+        if keep_graph:
+            _packers.keeping_graph.add(collect)
         if tracker is not None:
             _packers.trackers.append(tracker)
         try:
@@ -455,6 +476,7 @@ class Region:
             raise
         finally:
             _packers.stack.pop()
+            _packers.keeping_graph.discard(collect)
             if tracker is not None:
                 _packers.trackers.pop()
                 restore(tracker.snapshots)
