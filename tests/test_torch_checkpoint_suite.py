@@ -308,12 +308,6 @@ def test_checkpoint_partial_grad():
 
 # torch: test_utils.TestCheckpoint.test_checkpoint_preserves_device_context
 # (an accelerator test in torch; here the default device is meta)
-@pytest.mark.xfail(
-    strict=True,
-    raises=forget.RecomputationMismatchError,
-    reason="bug: forget's re-run does not enter the torch.device(...) context the forward "
-    "ran under, so a tensor made without a device lands on cpu in the re-run",
-)
 def test_checkpoint_preserves_device_context():
     def scenario(ck):
         devices = []
@@ -670,18 +664,7 @@ NESTINGS = {
 # torch: test_autograd.TestNestedCheckpoint.test_nested_checkpoint
 @pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "no_early_stop"])
 @pytest.mark.parametrize("nesting", list(NESTINGS))
-def test_nested_checkpoint(nesting, early_stop, request):
-    if not early_stop and "c(g(" in nesting:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                raises=forget.RecomputationMismatchError,
-                reason="bug: with early_stop=False, a checkpointed function that calls "
-                "torch.autograd.grad(create_graph=True) fails forget's count check "
-                "(the re-run saves more tensors than the forward)",
-            )
-        )
-
+def test_nested_checkpoint(nesting, early_stop):
     def scenario(ck):
         x = torch.randn(5, requires_grad=True)
         with tc.set_checkpoint_early_stop(early_stop):

@@ -31,7 +31,8 @@ pack of a later op.
 NOTE [double backward]: when backward runs with ``create_graph=True`` the
 collected tensors keep their history from the recomputation (which ran on
 the original inputs), so second derivatives flow through them; otherwise
-they are detached and the recomputation's graph is dropped at once.
+they are detached and the recomputation's graph is dropped at once. External
+tensors are never rebuilt (NOTE [saved identity]).
 
 NOTE [nested grad]: a re-run may start regions of its own and differentiate
 through them with ``create_graph`` (``grad(checkpoint(grad(checkpoint(f))))``).
@@ -59,7 +60,14 @@ from ._debug import OpTrace
 from ._local import _packers, hidden
 from ._offload import Offloaded, offload, warn_cpu_once
 from ._regenerate import REGION_OUTPUT, rerun_pack, resolve
-from ._replay import AutocastState, RNGState, devices_of, recomputing
+from ._replay import (
+    AutocastState,
+    RNGState,
+    default_device,
+    default_device_replayed,
+    devices_of,
+    recomputing,
+)
 from ._state import (
     StateTracker,
     StopRecomputation,
@@ -110,11 +118,14 @@ class _KeptSlot(_Slot):
     nothing and spares a recomputation; its version is checked at unpack, as
     autograd checks the tensors it saves.
 
-    NOTE [saved identity]: such a tensor that requires no grad is kept as the very
-    object autograd saved, so a custom ``autograd.Function`` gets back what it
-    saved (``saved is b``), as under torch's checkpoint. One that requires grad is
-    kept as a detached alias (NOTE [hidden aliases]): holding the tensor itself
-    would hold its history from inside the graph.
+    NOTE [saved identity]: such a tensor is kept as the very object autograd
+    saved, so a custom ``autograd.Function`` gets back what it saved (``saved is
+    b``), as under torch's checkpoint. Its history, if any, lies before the region
+    (no running region made it), so holding it makes no cycle through the graph,
+    as autograd's own saved inputs make none. Under ``create_graph`` it is still
+    itself: its own history carries second derivatives, so it is never rebuilt,
+    and a region that differentiates with ``create_graph`` inside its forward
+    does not re-run itself there to rebuild its inputs.
     """
 
     __slots__ = ("value", "version")
@@ -145,13 +156,22 @@ class _KeptSlot(_Slot):
 
 
 def _unpack(slot: Any) -> Any:
-    if isinstance(slot, _KeptSlot) and not torch.is_grad_enabled():
-        return slot.get()
+    if isinstance(slot, _KeptSlot) and (slot.version is not None or not torch.is_grad_enabled()):
+        return slot.get()  # an external tensor is itself even under create_graph
     if isinstance(slot, _Slot):
         # NOTE [double backward]: under create_graph even kept tensors are rebuilt, so
         # second derivatives flow through them.
         return slot.region.unpack(slot.index)
     return resolve(slot)  # a nested region's input that a re-run regenerated
+
+
+def _rebuilds(slot: _Slot | None, keep_graph: bool) -> bool:
+    """Whether a re-run must rebuild what ``slot`` stands for (`_unpack`'s other side)."""
+    if isinstance(slot, _KeptSlot):
+        # A kept op output is rebuilt under create_graph, for its history; an
+        # external tensor never: it is itself (NOTE [saved identity]).
+        return keep_graph and slot.version is None
+    return True
 
 
 def _meta(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
@@ -229,6 +249,7 @@ class Region:
         self._devices = devices_of(func, tensors)
         self._rng: RNGState | None = None
         self._autocast = AutocastState.capture(d.type for d in self._devices)
+        self._default_device = default_device()
         self._meta: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
         self._live: dict[int, weakref.ref[_Slot]] = {}
         self._rebuilt: dict[int, torch.Tensor] = {}
@@ -256,14 +277,8 @@ class Region:
                 tracker.packed_draws.add(drawn)  # NOTE [kept draws]
         slot: _Slot
         if action is None and _external(t, key):
-            if t.requires_grad:
-                alias = detached(t)  # NOTE [hidden aliases]
-                alias.requires_grad_()  # a nested region re-run from it must save as before
-            else:
-                # NOTE [saved identity]: no history to hold through it, so the very
-                # object: backward gets back what it saved (``saved is b``), as in torch.
-                alias = t
-            slot = _KeptSlot(self, index, alias, version=t._version)
+            # NOTE [saved identity]: the very object, history and all.
+            slot = _KeptSlot(self, index, t, version=t._version)
         elif action is None or self._tracker is None:
             slot = _Slot(self, index)
         elif action is Action.OFFLOAD and t.device.type != "cpu":
@@ -344,7 +359,7 @@ class Region:
         needed = {
             i
             for i, ref in self._live.items()
-            if i not in self._rebuilt and (keep_graph or not isinstance(ref(), _KeptSlot))
+            if i not in self._rebuilt and _rebuilds(ref(), keep_graph)
         }
         # Each input slot of an enclosing region is unpacked once per re-run.
         flat = [_unpack(v) for v in self._flat]
@@ -462,6 +477,7 @@ class Region:
                 rng,
                 generators,
                 self._autocast.replayed(),
+                default_device_replayed(self._default_device),
                 extra,
                 torch.autograd.graph.saved_tensors_hooks(collect, resolve),
                 tracker if tracker is not None else _null(),
@@ -484,8 +500,10 @@ class Region:
             for slot, before in zip(external, versions_before, strict=True):
                 assert slot.version is not None and isinstance(slot.value, torch.Tensor)
                 slot.version += slot.value._version - before
-        # Without early stop the whole function ran: it must have saved what the forward did.
-        if needed or (not early_stop and count != len(self._meta)):
+        # Without early stop the whole function ran: it must have saved what the forward
+        # did, once the forward is over (a grad inside the forward re-runs it midway).
+        whole = not early_stop and self._tracker is None
+        if needed or (whole and count != len(self._meta)):
             mismatch = RecomputationMismatchError(
                 f"forget: the recomputation of {_name(self.func)} saved {count} tensors for "
                 f"backward, its forward saved {len(self._meta)}; the function must run the same "

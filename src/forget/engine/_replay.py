@@ -175,3 +175,27 @@ class AutocastState:
                     )
                 )
             yield
+
+
+def default_device() -> torch.device | None:
+    """The default device a ``torch.device(...)`` context or ``set_default_device`` set.
+
+    ``None`` when tensors made without a device go to the CPU. Both set a torch
+    function mode, so with none active (the common case) nothing more is read.
+    """
+    if not torch._C._len_torch_function_stack():
+        return None
+    device = torch.get_default_device()
+    return None if device == torch.device("cpu") else device
+
+
+def default_device_replayed(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` the default for the block, if it is not already.
+
+    The forward of a region may run under ``torch.device("meta")`` and its re-run
+    (in backward) outside it: tensors the function makes without a device must
+    land where they did in the forward.
+    """
+    if default_device() == device:
+        return contextlib.nullcontext()
+    return torch.device(device if device is not None else "cpu")
