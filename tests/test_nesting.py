@@ -94,3 +94,24 @@ def test_the_graph_of_a_nested_case_is_freed(case):
 
 def _regions() -> list[Region]:
     return [o for o in gc.get_objects() if type(o) is Region]
+
+
+@pytest.mark.parametrize("how", ["torch", "forget"])
+def test_a_grad_inside_a_region_with_dropout_sees_the_forwards_mask(how):
+    # NOTE [re-run in the forward]: the grad re-runs the region midway; its dropout
+    # mask must be the forward's, or the result differs from plain silently.
+    def body(a: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(a.sin(), 0.5, training=True).exp()
+        (da,) = torch.autograd.grad(h.sum(), a, create_graph=True)
+        return da
+
+    checkpoint = torch.utils.checkpoint.checkpoint if how == "torch" else forget.checkpoint
+    results = []
+    for run in (body, lambda a: checkpoint(body, a, use_reentrant=False)):
+        torch.manual_seed(0)
+        x = torch.linspace(-1.0, 1.0, 16, requires_grad=True)
+        out = run(x)
+        out.sum().backward()
+        results.append((out.detach(), x.grad))
+    assert torch.equal(results[1][0], results[0][0])
+    assert torch.equal(results[1][1], results[0][1])

@@ -15,8 +15,11 @@ import warnings
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-__all__ = ["Offloaded", "offload"]
+from ..policies import Action
+
+__all__ = ["Offloaded", "fetch_kept", "offload", "offload_kept"]
 
 _warned_cpu = False
 _streams: dict[torch.device, Any] = {}
@@ -96,3 +99,28 @@ class Offloaded:
 def offload(t: torch.Tensor) -> Offloaded:
     """Move ``t`` to host memory (asynchronously on CUDA)."""
     return Offloaded(t)
+
+
+def offload_kept(kept: dict[int, tuple[str, Any, Any]]) -> dict[int, tuple[str, Any, Any]]:
+    """Move the kept outputs of offloading ops to host memory (device tensors only)."""
+    out = {}
+    for position, (name, outputs, action) in kept.items():
+        if action is Action.OFFLOAD:
+            outputs = pytree.tree_map(
+                lambda t: offload(t) if isinstance(t, torch.Tensor) and t.is_cuda else t,
+                outputs,
+            )
+        out[position] = (name, outputs, action)
+    return out
+
+
+def fetch_kept(kept: dict[int, tuple[str, Any, Any]]) -> dict[int, tuple[str, Any, Any]]:
+    """The kept outputs, offloaded ones brought back, for a recomputation to replay."""
+    return {
+        position: (
+            name,
+            pytree.tree_map(lambda v: v.fetch() if isinstance(v, Offloaded) else v, outputs),
+            action,
+        )
+        for position, (name, outputs, action) in kept.items()
+    }

@@ -42,13 +42,19 @@ returns must behave as the tensor did: an alias that keeps ``requires_grad``
 keeps its graph, the tensor itself, whose history the second derivatives must
 flow through. Every alias the pack returns keeps ``requires_grad`` for this,
 whether the enclosing region needs that tensor or not.
+
+NOTE [re-run in the forward]: a function that calls ``torch.autograd.grad``
+inside its own region unpacks that region's slots before its forward is over,
+so the region re-runs midway. That re-run replays the RNG from the forward's
+start (captured before the function runs), so its draws are the forward's.
+What the forward learns only at its end (explicit generators' states, outside
+state to put back) is not yet known to it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,7 +64,7 @@ from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
 from ._debug import OpTrace
 from ._local import _packers, hidden
-from ._offload import Offloaded, offload, warn_cpu_once
+from ._offload import Offloaded, fetch_kept, offload, offload_kept, warn_cpu_once
 from ._regenerate import REGION_OUTPUT, rerun_pack, resolve
 from ._replay import (
     AutocastState,
@@ -66,6 +72,7 @@ from ._replay import (
     default_device,
     default_device_replayed,
     devices_of,
+    generators_replayed,
     recomputing,
 )
 from ._state import (
@@ -310,7 +317,10 @@ class Region:
         if flat is None:
             raise RuntimeError("forget: a Region runs its forward once.")
         self._forward_flat = None
+        # NOTE [re-run in the forward]: a grad inside the forward may re-run the
+        # region midway; it replays the draws from here, as the backward's re-run will.
         rng = RNGState.capture(self._devices) if self.preserve_rng_state else None
+        self._rng = rng
         tracker = StateTracker(decide=self.policy.decide if self.policy is not None else None)
         args, kwargs = pytree.tree_unflatten(flat, self._spec)
         self._tracker = tracker
@@ -330,15 +340,16 @@ class Region:
         _mark_outputs(out)
         if tracker.used_rng:
             # Also when every draw is kept: under create_graph the re-run draws again.
-            self._rng = rng
             tracker.prune_draw_states()
+        else:
+            self._rng = None
         self._generators = tracker.generators
         self._writers = frozenset(tracker.writers)
         # NOTE [plain re-run]
         self._plain_rerun = self.policy is None and not tracker.touched_state and not tracker.nested
         last = self._pack_positions[-1] if self._pack_positions else None
         tracker.drop_unneeded_kept(stop=_stop_position(last, self._writers))
-        self._kept_ops = _offload_kept(tracker.kept)
+        self._kept_ops = offload_kept(tracker.kept)
         self._draw_states = tracker.draw_states
         # Values before the forward's first write, so the re-run starts where it did.
         self._write_only = tracker.split_write_only()  # NOTE [write-only state]
@@ -374,7 +385,7 @@ class Region:
             None
             if self._plain_rerun
             else StateTracker(
-                replay=None if keep_graph else _fetch_kept(self._kept_ops),
+                replay=None if keep_graph else fetch_kept(self._kept_ops),
                 recomputing=True,
                 skip=self._write_only,
                 replay_states=None if keep_graph else self._draw_states,
@@ -463,7 +474,7 @@ class Region:
         after_forward = current_values(self._pre_forward)
         restore(self._pre_forward)
         rng = self._rng.replayed() if self._rng is not None else _null()
-        generators = _replayed(self._generators)
+        generators = generators_replayed(self._generators)
         extra = self.recompute_context() if self.recompute_context is not None else _null()
         _packers.stack.append(collect)
         if keep_graph:
@@ -561,50 +572,6 @@ def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
     if pending is None:
         return None
     return pending + 1 if pending in writers else pending
-
-
-def _offload_kept(kept: dict[int, tuple[str, Any, Any]]) -> dict[int, tuple[str, Any, Any]]:
-    """Move the kept outputs of offloading ops to host memory (device tensors only)."""
-    out = {}
-    for position, (name, outputs, action) in kept.items():
-        if action is Action.OFFLOAD:
-            outputs = pytree.tree_map(
-                lambda t: offload(t) if isinstance(t, torch.Tensor) and t.is_cuda else t,
-                outputs,
-            )
-        out[position] = (name, outputs, action)
-    return out
-
-
-def _fetch_kept(kept: dict[int, tuple[str, Any, Any]]) -> dict[int, tuple[str, Any, Any]]:
-    """The kept outputs, offloaded ones brought back, for a recomputation to replay."""
-    return {
-        position: (
-            name,
-            pytree.tree_map(lambda v: v.fetch() if isinstance(v, Offloaded) else v, outputs),
-            action,
-        )
-        for position, (name, outputs, action) in kept.items()
-    }
-
-
-@contextlib.contextmanager
-def _replayed(generators: list[tuple[torch.Generator, torch.Tensor]]) -> Iterator[None]:
-    """Set generators to the states they had in the forward; put them back after.
-
-    NOTE [explicit generators]: a random op given ``generator=`` draws from a
-    generator the default-RNG replay does not touch. The forward notes each such
-    generator's state before its first draw in the region (nothing in the
-    region drew from it before), and the re-run starts it there.
-    """
-    now = [(g, g.get_state()) for g, _ in generators]
-    for g, state in generators:
-        g.set_state(state)
-    try:
-        yield
-    finally:
-        for g, state in now:
-            g.set_state(state)
 
 
 class _null:

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["AutocastState", "RNGState", "in_recomputing"]
+__all__ = [
+    "AutocastState",
+    "RNGState",
+    "default_device",
+    "default_device_replayed",
+    "generators_replayed",
+    "in_recomputing",
+]
 
 
 class _Local(threading.local):
@@ -199,3 +206,22 @@ def default_device_replayed(device: torch.device | None) -> contextlib.AbstractC
     if default_device() == device:
         return contextlib.nullcontext()
     return torch.device(device if device is not None else "cpu")
+
+
+@contextlib.contextmanager
+def generators_replayed(generators: list[tuple[torch.Generator, torch.Tensor]]) -> Iterator[None]:
+    """Set generators to the states they had in the forward; put them back after.
+
+    NOTE [explicit generators]: a random op given ``generator=`` draws from a
+    generator the default-RNG replay does not touch. The forward notes each such
+    generator's state before its first draw in the region (nothing in the
+    region drew from it before), and the re-run starts it there.
+    """
+    now = [(g, g.get_state()) for g, _ in generators]
+    for g, state in generators:
+        g.set_state(state)
+    try:
+        yield
+    finally:
+        for g, state in now:
+            g.set_state(state)
