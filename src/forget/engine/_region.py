@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -116,6 +117,10 @@ class _Slot:
         self.region = region
         self.index = index
 
+    def rebuilt(self, keep_graph: bool) -> bool:
+        """Whether unpacking it (under ``create_graph`` if ``keep_graph``) re-runs the region."""
+        return True
+
 
 class _KeptSlot(_Slot):
     """A saved tensor the region keeps: policy-kept (on the device, or offloaded) or external.
@@ -148,6 +153,11 @@ class _KeptSlot(_Slot):
         self.value = value
         self.version = version
 
+    def rebuilt(self, keep_graph: bool) -> bool:
+        # A policy-kept op output is rebuilt under create_graph, for its history; an
+        # external tensor never: it is itself (NOTE [saved identity]).
+        return keep_graph and self.version is None
+
     def get(self) -> torch.Tensor:
         if isinstance(self.value, Offloaded):
             self.region.prefetch_offloaded()
@@ -163,22 +173,13 @@ class _KeptSlot(_Slot):
 
 
 def _unpack(slot: Any) -> Any:
-    if isinstance(slot, _KeptSlot) and (slot.version is not None or not torch.is_grad_enabled()):
-        return slot.get()  # an external tensor is itself even under create_graph
+    if isinstance(slot, _KeptSlot) and not slot.rebuilt(torch.is_grad_enabled()):
+        return slot.get()
     if isinstance(slot, _Slot):
         # NOTE [double backward]: under create_graph even kept tensors are rebuilt, so
         # second derivatives flow through them.
         return slot.region.unpack(slot.index)
     return resolve(slot)  # a nested region's input that a re-run regenerated
-
-
-def _rebuilds(slot: _Slot | None, keep_graph: bool) -> bool:
-    """Whether a re-run must rebuild what ``slot`` stands for (`_unpack`'s other side)."""
-    if isinstance(slot, _KeptSlot):
-        # A kept op output is rebuilt under create_graph, for its history; an
-        # external tensor never: it is itself (NOTE [saved identity]).
-        return keep_graph and slot.version is None
-    return True
 
 
 def _meta(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
@@ -330,7 +331,7 @@ class Region:
             with (
                 torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
                 tracker,
-                self._trace.recording_forward() if self._trace is not None else _null(),
+                self._trace.recording_forward() if self._trace is not None else nullcontext(),
             ):
                 out = self.func(*args, **kwargs)
         finally:
@@ -370,7 +371,7 @@ class Region:
         needed = {
             i
             for i, ref in self._live.items()
-            if i not in self._rebuilt and _rebuilds(ref(), keep_graph)
+            if i not in self._rebuilt and (slot := ref()) is not None and slot.rebuilt(keep_graph)
         }
         # Each input slot of an enclosing region is unpacked once per re-run.
         flat = [_unpack(v) for v in self._flat]
@@ -473,9 +474,9 @@ class Region:
         ]
         after_forward = current_values(self._pre_forward)
         restore(self._pre_forward)
-        rng = self._rng.replayed() if self._rng is not None else _null()
+        rng = self._rng.replayed() if self._rng is not None else nullcontext()
         generators = generators_replayed(self._generators)
-        extra = self.recompute_context() if self.recompute_context is not None else _null()
+        extra = self.recompute_context() if self.recompute_context is not None else nullcontext()
         _packers.stack.append(collect)
         if keep_graph:
             _packers.keeping_graph.add(collect)
@@ -491,8 +492,8 @@ class Region:
                 default_device_replayed(self._default_device),
                 extra,
                 torch.autograd.graph.saved_tensors_hooks(collect, resolve),
-                tracker if tracker is not None else _null(),
-                self._trace.recording_rerun() if self._trace is not None else _null(),
+                tracker if tracker is not None else nullcontext(),
+                self._trace.recording_rerun() if self._trace is not None else nullcontext(),
             ):
                 self.func(*args, **kwargs)
         except StopRecomputation:
@@ -572,14 +573,6 @@ def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
     if pending is None:
         return None
     return pending + 1 if pending in writers else pending
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _name(func: Any) -> str:

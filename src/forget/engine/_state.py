@@ -46,7 +46,7 @@ from ._selective import (
     _ReplayMismatch,
     _tensors,
 )
-from ._storage import storage_key, view_key
+from ._storage import PLAIN_TYPES, storage_key, view_key
 
 __all__ = [
     "StateTracker",
@@ -64,9 +64,6 @@ class StopRecomputation(Exception):
 Decide = Callable[[str, int], Any]
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def detached(t: torch.Tensor) -> torch.Tensor:
     """A detached alias of ``t`` that no tracker sees (a `hidden` ``t.detach()``).
 
@@ -76,7 +73,7 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     with Python dispatch off, several times cheaper (benchmarks/measured.md).
     Subclasses go through `hidden`.
     """
-    if type(t) in _PLAIN_TYPES:
+    if type(t) in PLAIN_TYPES:
         with torch._C._DisableTorchDispatch():
             return t.detach()
     with hidden():

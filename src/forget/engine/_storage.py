@@ -25,6 +25,9 @@ __all__ = ["StorageKey", "storage_key", "storage_of", "view_key"]
 #: without one: the two shapes never compare equal.
 StorageKey = tuple[Any, ...]
 
+#: Tensor types with a storage of their own and no ``__torch_dispatch__`` to run.
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
 
 def storage_of(t: Any) -> torch.UntypedStorage | None:
     """The storage of a dense tensor, or ``None`` (sparse, meta, storage-less subclass)."""
@@ -43,7 +46,7 @@ def storage_key(t: torch.Tensor) -> StorageKey:
 
     A tensor without a storage of its own is keyed by the object itself.
     """
-    if type(t) in _PLAIN:
+    if type(t) in PLAIN_TYPES:
         return (t.device, t.untyped_storage().data_ptr())
     s = storage_of(t)
     if s is not None and s.device.type != "meta":  # a fake tensor's storage is meta
@@ -52,9 +55,6 @@ def storage_key(t: torch.Tensor) -> StorageKey:
         except RuntimeError:  # a wrapper whose storage is a placeholder
             pass
     return (t.device, "object", id(t))
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def view_key(t: torch.Tensor) -> tuple[Any, ...]:
