@@ -17,7 +17,7 @@ from .. import schedules as P
 from ..engine import InTurn, run_region
 from ..policies import Policy
 from ..schedules import format_bytes
-from ._profile import _check_options, _run_option
+from ._profile import _check_options, _policy_region
 from ._targets import Block, _group, sub_stages
 
 # ---------------------------------------------------------------- applying
@@ -38,7 +38,7 @@ def run_items(
             if item.option is None:
                 parts.append(block)
             else:
-                parts.append(functools.partial(_run_option, block, policy=policies[item.option]))
+                parts.append(_policy_region(block, policies[item.option]))
         else:
             body = run_items(item.items, blocks, policies)
             parts.append(functools.partial(_run_region_on, body))
