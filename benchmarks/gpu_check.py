@@ -55,13 +55,13 @@ except ImportError as exc:  # a python3 without torch: say so, not a traceback
 
 import forget
 from forget.cli import _bench, _bench_launch
+from forget.cli._common import mib
 from forget.models import MODEL_NAMES, SIZES, build_model, model_settings
 from forget.planning import time_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")
 TESTS_TIMEOUT_S = 300
-MIB = 2**20
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -222,10 +222,13 @@ def bench_model(
     def step(variant: str) -> None:
         models[variant].step(x, target, _bench.WRAPPERS[variant])
 
-    def grads(variant: str) -> list[torch.Tensor | None]:
+    def grads(variant: str) -> dict[str, torch.Tensor | None]:
         prepare(variant)
         step(variant)
-        return [None if p.grad is None else p.grad.clone() for p in models[variant].parameters()]
+        return {
+            n: None if p.grad is None else p.grad.clone()
+            for n, p in models[variant].named_parameters()
+        }
 
     checks = _grad_checks({v: functools.partial(grads, v) for v in VARIANTS})
     peaks = {v: peak_bytes(lambda v=v: (prepare(v), step(v)), device) for v in VARIANTS}
@@ -246,10 +249,10 @@ def bench_launch(size: str, repeats: int, device: torch.device, seed: int = 0) -
     def step(variant: str) -> None:
         _bench_launch.RUNNERS[variant](ops, x).sum().backward()
 
-    def grads(variant: str) -> list[torch.Tensor | None]:
+    def grads(variant: str) -> dict[str, torch.Tensor | None]:
         prepare(variant)
         step(variant)
-        return [None if x.grad is None else x.grad.clone()]
+        return {"x": None if x.grad is None else x.grad.clone()}
 
     checks = _grad_checks({v: functools.partial(grads, v) for v in VARIANTS})
     peaks = {v: peak_bytes(lambda v=v: (prepare(v), step(v)), device) for v in VARIANTS}
@@ -270,20 +273,17 @@ def bench_launch(size: str, repeats: int, device: torch.device, seed: int = 0) -
     ]
 
 
-def _grad_checks(grads: Mapping[str, Callable[[], list[torch.Tensor | None]]]) -> dict[str, str]:
+def _grad_checks(
+    grads: Mapping[str, Callable[[], dict[str, torch.Tensor | None]]],
+) -> dict[str, str]:
     """Per variant: its gradients against plain's, bit for bit (plain itself run twice)."""
     plain, again = grads["plain"](), grads["plain"]()
-    repeatable = _equal(plain, again)
+    repeatable = not _bench._same(plain, again)
     checks = {"plain": "" if repeatable else "nondet"}
     for v in VARIANTS[1:]:
-        checks[v] = "=plain" if _equal(plain, grads[v]()) else "differ" if repeatable else "nondet"
+        same = not _bench._same(plain, grads[v]())
+        checks[v] = "=plain" if same else "differ" if repeatable else "nondet"
     return checks
-
-
-def _equal(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> bool:
-    return all(
-        x is y if x is None or y is None else torch.equal(x, y) for x, y in zip(a, b, strict=True)
-    )
 
 
 # ---------------------------------------------------------------- the table
@@ -328,11 +328,11 @@ def format_rows(rows: Sequence[Row]) -> str:
             (
                 r.workload if r.variant == "plain" else "",
                 r.variant,
-                f"{r.peak_bytes / MIB:.3f}",
-                _ratio(r.peak_bytes, plain.peak_bytes),
+                mib(r.peak_bytes),
+                _bench._ratio(r.peak_bytes, plain.peak_bytes),
                 f"{r.step_s * 1e3:.3f}",
-                _ratio(r.step_s, plain.step_s),
-                _ratio(r.step_s, theirs.step_s) if r.variant == "forget" else "",
+                _bench._ratio(r.step_s, plain.step_s),
+                _bench._ratio(r.step_s, theirs.step_s) if r.variant == "forget" else "",
                 "" if r.extra_us_per_op is None else f"{r.extra_us_per_op:+.2f}",
                 r.grads,
             )
@@ -345,10 +345,6 @@ def format_rows(rows: Sequence[Row]) -> str:
         return "  ".join(first + rest).rstrip()
 
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(c) for c in cells])
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "-"
 
 
 if __name__ == "__main__":

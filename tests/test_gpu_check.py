@@ -142,7 +142,7 @@ def test_nondeterministic_plain_is_not_a_failure(gpu_check):
     draws = iter(range(100))
 
     def grads():
-        return [torch.tensor(float(next(draws)))]
+        return {"g": torch.tensor(float(next(draws)))}
 
     checks = gpu_check._grad_checks({v: grads for v in VARIANTS})
     assert checks == {"plain": "nondet", "torch_checkpoint": "nondet", "forget": "nondet"}
