@@ -13,26 +13,20 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from forget.engine._state import StateTracker
+from forget.planning import time_calls
 
 OPS = 300  # small elementwise ops per call: the per-op cost dominates
 
 
 def _median_s(fns: dict[str, Callable[[], object]], rounds: int = 15) -> dict[str, float]:
-    """Median seconds per call of each callable, timed in interleaved rounds."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median seconds per call of each callable, timed in interleaved rounds (`time_calls`)."""
+    return {k: statistics.median(v) for k, v in time_calls(fns, rounds).items()}
 
 
 class _Nothing(TorchDispatchMode):
