@@ -4,6 +4,8 @@ Describe a model as a `Chain` of `Stage` figures (times in seconds, sizes in
 bytes), then `solve` it for a budget: the result is a `Schedule`, a tree of
 `Keep` and nested forget `Region` items with its predicted peak and time.
 The memory model is documented in `simulate`'s module, ``forget.schedules._schedule``.
+A model seen as a module tree (`Tree` of `TreeNode`, regions nesting along it)
+is planned by `solve_tree`, in the model of ``forget.schedules._tree``.
 
 Example:
     >>> from forget.schedules import Chain, Stage, solve
@@ -37,6 +39,15 @@ from ._solve import get_algorithm as get_algorithm
 from ._solve import min_feasible_bytes as min_feasible_bytes
 from ._solve import pareto as pareto
 from ._solve import solve as solve
+from ._tree import Tree as Tree
+from ._tree import TreeFigures as TreeFigures
+from ._tree import TreeNode as TreeNode
+from ._tree import TreeOption as TreeOption
+from ._tree import tree_figures as tree_figures
+from ._tree_solve import TreeSchedule as TreeSchedule
+from ._tree_solve import solve_tree as solve_tree
+from ._tree_solve import tree_frontier as tree_frontier
+from ._tree_solve import tree_min_feasible_bytes as tree_min_feasible_bytes
 from ._units import MIB as MIB
 from ._units import format_bytes as format_bytes
 
@@ -53,6 +64,11 @@ __all__ = [
     "Stage",
     "StageDecision",
     "StageOption",
+    "Tree",
+    "TreeFigures",
+    "TreeNode",
+    "TreeOption",
+    "TreeSchedule",
     "evaluate",
     "forget_each_items",
     "format_bytes",
@@ -64,7 +80,11 @@ __all__ = [
     "revolve_forward_steps",
     "simulate",
     "solve",
+    "solve_tree",
     "sqrt_segments",
     "store_all_items",
+    "tree_figures",
+    "tree_frontier",
+    "tree_min_feasible_bytes",
     "uniform_items",
 ]
