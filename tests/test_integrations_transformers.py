@@ -9,6 +9,7 @@ parameter gradient must be bitwise equal.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +110,30 @@ def _layers(model: Any) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, transformers.GradientCheckpointingLayer)]
 
 
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the layers run through forget.checkpoint (installed by enable from now on)."""
+    calls: list[int] = []
+
+    def counting(function: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return forget.checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(forget_hf, "checkpoint", counting)
+    return calls
+
+
+def _seen_recomputing(model: Any) -> list[bool]:
+    """``in_recomputing()`` at each run of a layer's first child (forward and re-run).
+
+    transformers checkpoints a layer's forward, not its ``__call__``: its first child is hooked.
+    """
+    seen: list[bool] = []
+    for layer in _layers(model):
+        first = next(iter(layer.children()))
+        first.register_forward_pre_hook(lambda m, a: seen.append(forget.in_recomputing()))
+    return seen
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_gradients_equal_plain_and_transformers_checkpointing(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -122,20 +147,10 @@ def test_gradients_equal_plain_and_transformers_checkpointing(
     model.activation_checkpointing_disable()
     _assert_equal(plain, theirs)
 
-    calls: list[int] = []
-
-    def counting(function: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return forget.checkpoint(function, *args, **kwargs)
-
-    monkeypatch.setattr(forget_hf, "checkpoint", counting)
+    calls = _counting(monkeypatch)
     assert forget_hf.enable(model) is model
     assert forget_hf.is_enabled(model)
-    seen: list[bool] = []
-    # transformers checkpoints a layer's forward, not its __call__: hook its first child.
-    for layer in _layers(model):
-        first = next(iter(layer.children()))
-        first.register_forward_pre_hook(lambda m, a: seen.append(forget.in_recomputing()))
+    seen = _seen_recomputing(model)
     ours = _step(model)
     _assert_equal(plain, ours)
     assert len(calls) == LAYERS  # every layer went through forget.checkpoint
@@ -187,13 +202,7 @@ def test_policy_reaches_every_layer() -> None:
 
 
 def test_eval_mode_does_not_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-
-    def counting(function: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return forget.checkpoint(function, *args, **kwargs)
-
-    monkeypatch.setattr(forget_hf, "checkpoint", counting)
+    calls = _counting(monkeypatch)
     model = forget_hf.enable(_make("llama")).eval()
     with torch.no_grad():
         model(input_ids=IDS)
@@ -203,6 +212,13 @@ def test_eval_mode_does_not_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_errors() -> None:
     with pytest.raises(TypeError, match=r"forget: .*PreTrainedModel"):
         forget_hf.enable(torch.nn.Linear(2, 2))
+    model = _make("llama")
+    for wrong in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"forget: every_n_layers must be .* at least 1"):
+            forget_hf.enable(model, every_n_layers=wrong)
+    assert not hasattr(
+        model, "_gradient_checkpointing_func"
+    ) and "activation_checkpointing_enable" not in vars(model)
     with pytest.raises(TypeError, match="forget: "):
         forget_hf.disable(object())
 
@@ -292,3 +308,241 @@ def test_budget_below_all_layers_checkpointed_raises_with_the_least() -> None:
 def test_budget_needs_inputs() -> None:
     with pytest.raises(TypeError, match="needs their inputs"):
         forget_hf.enable(_deep_gpt2(), budget="50%")
+
+
+# The four leaks of issue 25, item 5: Trainer, PEFT, settings kept, hooks left alone.
+
+
+def _embedding_hooks(model: Any) -> int:
+    return len(model.get_input_embeddings()._forward_hooks)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_input_embedding_hooks_are_left_as_found(name: str) -> None:
+    model = _make(name)
+    assert _embedding_hooks(model) == 0
+    forget_hf.enable(model)
+    assert _embedding_hooks(model) == 0
+    forget_hf.enable(model)
+    forget_hf.enable(model, every_n_layers=1)
+    model.activation_checkpointing_enable()  # as Trainer does
+    assert _embedding_hooks(model) == 0
+    forget_hf.disable(model)
+    assert _embedding_hooks(model) == 0 and not hasattr(model, "_require_grads_hooks")
+    # Hooks of the user's (or PEFT's) stay, listed where transformers lists them.
+    model.enable_input_require_grads()
+    listed = list(model._require_grads_hooks)
+    for _ in range(3):
+        forget_hf.enable(model)
+    forget_hf.disable(model)
+    assert _embedding_hooks(model) == 1 and model._require_grads_hooks == listed
+    assert model._require_grads_hook is listed[0]
+
+
+def test_enable_keeps_the_layers_and_keyword_arguments_transformers_was_given() -> None:
+    model = _gpt2(layers=4).train()
+    checkpoint_kwargs = {"use_reentrant": False, "determinism_check": "none"}
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={**checkpoint_kwargs, "preserve_rng_state": False},
+        every_n_layers=2,
+    )
+    every_other = ["transformer.h.0", "transformer.h.2"]
+    assert forget_hf.checkpointed_layers(model) == every_other
+    forget_hf.enable(model)
+    assert forget_hf.is_enabled(model) and forget_hf.checkpointed_layers(model) == every_other
+    func = _layers(model)[0]._gradient_checkpointing_func
+    assert func.keywords["determinism_check"] == "none"
+    assert func.keywords["preserve_rng_state"] is False
+    policy = forget.policies.save_outputs_of(*forget.policies.MATMUL)
+    forget_hf.enable(model, policy=policy, preserve_rng_state=True)  # a new policy: same layers
+    func = _layers(model)[0]._gradient_checkpointing_func
+    assert forget_hf.checkpointed_layers(model) == every_other
+    assert func.keywords["policy"] == policy and func.keywords["preserve_rng_state"] is True
+    assert func.keywords["determinism_check"] == "none"
+    forget_hf.enable(model, every_n_layers=1)  # asked: switched again
+    assert len(forget_hf.checkpointed_layers(model)) == 4
+    forget_hf.enable(model, every_n_layers=3, policy=policy)
+    assert forget_hf.checkpointed_layers(model) == ["transformer.h.0", "transformer.h.3"]
+    # later calls of transformers' enable go through forget, with their arguments
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"early_stop": False}, every_n_layers=2
+    )
+    assert forget_hf.is_enabled(model) and forget_hf.checkpointed_layers(model) == every_other
+    func = _layers(model)[0]._gradient_checkpointing_func
+    assert func.keywords["early_stop"] is False and func.keywords["policy"] == policy
+    copied = copy.deepcopy(model)  # e.g. a reference model: forget's door is its own
+    copied.activation_checkpointing_enable(every_n_layers=1)
+    assert len(forget_hf.checkpointed_layers(copied)) == 4 and forget_hf.is_enabled(copied)
+    assert forget_hf.checkpointed_layers(model) == every_other
+    forget_hf.disable(model)
+    assert "activation_checkpointing_enable" not in vars(model)
+    model.activation_checkpointing_enable()  # transformers' own again
+    assert not forget_hf.is_enabled(model) and len(forget_hf.checkpointed_layers(model)) == 4
+
+
+def test_what_forget_cannot_keep_is_said_not_dropped() -> None:
+    model = _make("llama")
+    model.activation_checkpointing_enable(offload=True)
+    before = _layers(model)[0]._gradient_checkpointing_func
+    with pytest.raises(
+        ValueError, match=r"forget: .*offload=True.*activation_checkpointing_disable"
+    ):
+        forget_hf.enable(model)
+    assert _layers(model)[0]._gradient_checkpointing_func is before  # untouched
+    assert "activation_checkpointing_enable" not in vars(model)
+    model.activation_checkpointing_disable()
+    forget_hf.enable(model)
+    with pytest.raises(ValueError, match=r"forget: .*offload=True.*host memory"):
+        model.activation_checkpointing_enable(offload=True)
+    assert forget_hf.is_enabled(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    assert forget_hf.is_enabled(model)
+    with pytest.warns(UserWarning, match="forget: use_reentrant=True is ignored"):
+        _step(model)
+    # a checkpoint function of the user's own is not replaced without a word either
+    model = _make("gpt2")
+    model.activation_checkpointing_enable()
+    for layer in _layers(model):
+        layer._gradient_checkpointing_func = lambda function, *args: function(*args)
+    with pytest.raises(ValueError, match=r"forget: .* not by torch.utils.checkpoint.checkpoint"):
+        forget_hf.enable(model)
+
+
+# Trainer: two steps on a tiny Llama (attention dropout on), against a plain Trainer run.
+
+TRAIN_IDS = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(2))
+TRAIN_DATA = [{"input_ids": row, "labels": row} for row in TRAIN_IDS]
+
+Run = tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _train(model: Any, output_dir: Any, **arguments: Any) -> Run:
+    """Two steps of ``Trainer.train()``: each step's loss, gradients, and the parameters after."""
+    losses: list[torch.Tensor] = []
+    grads: list[dict[str, torch.Tensor]] = []
+
+    class Recording(transformers.Trainer):
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = super().training_step(*args, **kwargs)
+            losses.append(loss.detach().clone())
+            return loss
+
+    class Gradients(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            named = kw["model"].named_parameters()
+            grads.append({n: p.grad.clone() for n, p in named if p.grad is not None})
+
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        **arguments,
+    )
+    trainer = Recording(model=model, args=args, train_dataset=TRAIN_DATA, callbacks=[Gradients()])
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, grads, params
+
+
+def _assert_same_run(a: Run, b: Run) -> None:
+    assert len(a[0]) == len(b[0]) == 2
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    for x, y in zip([*a[1], a[2]], [*b[1], b[2]], strict=True):
+        assert x.keys() == y.keys() and x
+        for name in x:
+            assert torch.equal(x[name], y[name]), name
+
+
+TRAINER_CASES = {
+    "arguments-off": ({}, LAYERS),
+    "activation_checkpointing": ({"activation_checkpointing": True}, LAYERS),
+    "gradient_checkpointing": ({"gradient_checkpointing": True}, LAYERS),  # 5.x alias
+    "every-2nd-layer": (
+        {
+            "activation_checkpointing": True,
+            "activation_checkpointing_kwargs": {"every_n_layers": 2},
+        },
+        1,
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("case", sorted(TRAINER_CASES))
+def test_trainer_keeps_forget_and_trains_as_plain(
+    case: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("accelerate")
+    arguments, checkpointed = TRAINER_CASES[case]
+    plain = _train(_make("llama"), tmp_path / "plain")
+    calls = _counting(monkeypatch)
+    model = forget_hf.enable(_make("llama"))
+    seen = _seen_recomputing(model)
+    ours = _train(model, tmp_path / "forget", **arguments)
+    assert forget_hf.is_enabled(model) and _embedding_hooks(model) == 0
+    assert len(forget_hf.checkpointed_layers(model)) == checkpointed
+    assert len(calls) == 2 * checkpointed  # two steps, each layer once through forget
+    forward = [False] * LAYERS
+    recompute = [True] * checkpointed
+    assert seen == 2 * (forward + recompute)
+    _assert_same_run(plain, ours)
+
+
+def _lora(enabled_first: bool = False) -> Any:
+    """A tiny Llama with LoRA adapters (dropout on); forget enabled before wrapping if asked."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1, init_lora_weights=False
+    )
+    torch.manual_seed(0)
+    model = _llama().train()
+    if enabled_first:
+        forget_hf.enable(model)
+    return peft.get_peft_model(model, config)
+
+
+# peft reads transformers' deprecated is_gradient_checkpointing in get_peft_model.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize(
+    "enabled_first", [False, True], ids=["wrap-then-enable", "enable-then-wrap"]
+)
+def test_peft_model_is_enabled_through_its_base_model(
+    enabled_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = _lora()
+    before = _step(plain)
+    calls = _counting(monkeypatch)
+    model = _lora(enabled_first)
+    base = model.get_base_model()
+    hooks = _embedding_hooks(base)  # peft's own when checkpointing was on: they stay
+    assert hooks == int(enabled_first)
+    assert forget_hf.enable(model) is model
+    assert forget_hf.is_enabled(model) and forget_hf.is_enabled(base)
+    assert "activation_checkpointing_enable" in vars(base)
+    assert forget_hf.checkpointed_layers(base) == ["model.layers.0", "model.layers.1"]
+    _assert_equal(before, _step(model))
+    assert len(calls) == LAYERS
+    assert set(before[1]) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert forget_hf.disable(model) is model
+    assert not forget_hf.is_enabled(model) and "activation_checkpointing_enable" not in vars(base)
+    assert _embedding_hooks(base) == hooks
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_trainer_trains_lora_with_forget_as_plain(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("accelerate")
+    plain = _train(_lora(), tmp_path / "plain")
+    calls = _counting(monkeypatch)
+    model = forget_hf.enable(_lora())
+    ours = _train(model, tmp_path / "forget", activation_checkpointing=True)
+    assert forget_hf.is_enabled(model) and len(calls) == 2 * LAYERS
+    assert all("lora_" in n for n in ours[1][0])  # only the adapters train
+    _assert_same_run(plain, ours)
