@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from . import schedules as schedules
     from ._apply import apply_forget as apply_forget
     from ._checkpoint import checkpoint as checkpoint
+    from .engine import fast_path as fast_path
     from .engine import forget as forget
     from .engine import in_recomputing as in_recomputing
     from .engine import regenerating as regenerating
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it, imported on first access (PEP 562).
 _LAZY: dict[str, str] = {
     "forget": ".engine",
+    "fast_path": ".engine",
     "in_recomputing": ".engine",
     "regenerating": ".engine",
     "checkpoint": "._checkpoint",
@@ -72,6 +74,7 @@ __all__ = [
     "__version__",
     "apply_forget",
     "checkpoint",
+    "fast_path",
     "forget",
     "forget_sequential",
     "in_recomputing",

@@ -9,6 +9,7 @@
 - `_selective`: a policy's replay: kept op outputs and kept draws.
 - `_offload`, `_regenerate`: saved tensors moved to the host, or rebuilt.
 - `_debug`: ``debug=True``'s op traces of forward and re-run (NOTE [debug trace]).
+- `_sites`: call sites learned once, then run on hooks alone (NOTE [fast path]).
 - `_storage`: storage identity; `_in_turn`: callables run in turn;
   `_local`: per-thread state (running regions, hidden ops).
 
@@ -23,6 +24,7 @@ from ._regenerate import regenerating as regenerating
 from ._region import Region as Region
 from ._region import ordinal as ordinal
 from ._replay import in_recomputing as in_recomputing
+from ._sites import fast_path as fast_path
 from ._storage import StorageKey as StorageKey
 from ._storage import storage_key as storage_key
 from ._storage import storage_of as storage_of
@@ -33,6 +35,7 @@ __all__ = [
     "Region",
     "StorageKey",
     "compiled_region",
+    "fast_path",
     "forget",
     "in_recomputing",
     "ordinal",

@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import ForgetError
 from ..policies import REGENERABLE, Policy
@@ -80,6 +81,20 @@ REGION_OUTPUT = "forget.region_output"
 def _in_region(node: Any) -> bool:
     """Whether ``node`` was recorded inside a forget region (its saved tensors are slots)."""
     return REGION_OUTPUT in node.metadata
+
+
+def mark_outputs(out: Any) -> None:
+    """Mark the nodes of a region's outputs (and of their bases) as the region's.
+
+    NOTE [region outputs]: those nodes saved slots, which
+    `regenerating` must not read.
+    """
+    for o in pytree.tree_leaves(out):
+        if isinstance(o, torch.Tensor):
+            for u in (o, o._base):
+                if u is not None and u.grad_fn is not None:
+                    metadata: dict[str, Any] = u.grad_fn.metadata  # type: ignore[assignment]
+                    metadata[REGION_OUTPUT] = True
 
 
 def _operand(node: Any, i: int, saved: str) -> Callable[[], torch.Tensor] | None:

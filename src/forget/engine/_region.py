@@ -66,7 +66,7 @@ from ..policies import Action, Policy
 from ._debug import OpTrace
 from ._local import _packers, hidden
 from ._offload import Offloaded, fetch_kept, offload, offload_kept, warn_cpu_once
-from ._regenerate import REGION_OUTPUT, rerun_pack, resolve
+from ._regenerate import mark_outputs, rerun_pack, resolve
 from ._replay import (
     AutocastState,
     RNGState,
@@ -76,6 +76,7 @@ from ._replay import (
     generators_replayed,
     recomputing,
 )
+from ._sites import FastTracker, Guard, Site, site_of
 from ._state import (
     StateTracker,
     StopRecomputation,
@@ -322,6 +323,13 @@ class Region:
         # region midway; it replays the draws from here, as the backward's re-run will.
         rng = RNGState.capture(self._devices) if self.preserve_rng_state else None
         self._rng = rng
+        exact = self.policy is not None or self._trace is not None
+        site = None if exact else site_of(self.func)
+        if site is not None and site.fast:
+            guard = Guard(site, self.func, flat)
+            if guard.matches:
+                return self._run_fast(site, guard, flat)
+            site.fast = None  # the training flags changed: learn again
         tracker = StateTracker(decide=self.policy.decide if self.policy is not None else None)
         args, kwargs = pytree.tree_unflatten(flat, self._spec)
         self._tracker = tracker
@@ -338,7 +346,7 @@ class Region:
             _packers.stack.pop()
             _packers.trackers.pop()
             self._tracker = None
-        _mark_outputs(out)
+        mark_outputs(out)
         if tracker.used_rng:
             # Also when every draw is kept: under create_graph the re-run draws again.
             tracker.prune_draw_states()
@@ -355,6 +363,40 @@ class Region:
         # Values before the forward's first write, so the re-run starts where it did.
         self._write_only = tracker.split_write_only()  # NOTE [write-only state]
         self._pre_forward = tracker.snapshots
+        self._versions = [flat[i]._version for i in self._tensor_pos]
+        if site is not None and site.fast is None:
+            site.learn(
+                self.func,
+                flat,
+                eligible=not tracker.generators,
+                written=[t for t, _ in self._pre_forward],
+                write_only=self._write_only + tracker.statistics,
+                meta=self._meta,
+                positions=self._pack_positions,
+                writers=self._writers,
+            )
+        return out
+
+    def _run_fast(self, site: Site, guard: Guard, flat: list[Any]) -> Any:
+        """The forward with saved-tensor hooks only, under a guard (NOTE [fast path])."""
+        fast = FastTracker(guard.external)
+        args, kwargs = pytree.tree_unflatten(flat, self._spec)
+        _packers.stack.append(self._pack)
+        _packers.trackers.append(fast)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                out = self.func(*args, **kwargs)
+        finally:
+            _packers.stack.pop()
+            _packers.trackers.pop()
+        mark_outputs(out)
+        self._pre_forward, self._write_only = guard.written(_name(self.func))
+        # Write-only state (running statistics) is left alone by a tracker's re-run.
+        self._plain_rerun = not fast.nested and not self._write_only
+        if self._meta == site.meta:
+            self._pack_positions, self._writers = list(site.positions), site.writers
+        else:
+            self.early_stop = False  # the learned positions are not this call's
         self._versions = [flat[i]._version for i in self._tensor_pos]
         return out
 
@@ -539,20 +581,6 @@ class Region:
                     "gradients. Clone the tensor before modifying it, or modify it after "
                     "backward."
                 )
-
-
-def _mark_outputs(out: Any) -> None:
-    """Mark the nodes of a region's outputs (and of their bases) as the region's.
-
-    NOTE [region outputs] in ``_regenerate``: those nodes saved slots, which
-    `regenerating` must not read.
-    """
-    for o in pytree.tree_leaves(out):
-        if isinstance(o, torch.Tensor):
-            for u in (o, o._base):
-                if u is not None and u.grad_fn is not None:
-                    metadata: dict[str, Any] = u.grad_fn.metadata  # type: ignore[assignment]
-                    metadata[REGION_OUTPUT] = True
 
 
 def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:

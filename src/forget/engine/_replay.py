@@ -16,13 +16,17 @@ from typing import Any
 
 import torch
 
+from ._in_turn import InTurn
+
 __all__ = [
     "AutocastState",
     "RNGState",
     "default_device",
     "default_device_replayed",
+    "devices_of",
     "generators_replayed",
     "in_recomputing",
+    "modules_reachable",
 ]
 
 
@@ -82,7 +86,7 @@ def devices_of(func: Callable[..., Any], tensors: Iterable[torch.Tensor]) -> lis
 
     for t in tensors:
         add(t)
-    for module in _modules_reachable(func):
+    for module in modules_reachable(func):
         for t in module.parameters():
             add(t)
             break
@@ -95,20 +99,26 @@ def devices_of(func: Callable[..., Any], tensors: Iterable[torch.Tensor]) -> lis
     return list(found.values())
 
 
-def _modules_reachable(func: Any, depth: int = 0) -> list[torch.nn.Module]:
+def modules_reachable(func: Any, depth: int = 0) -> list[torch.nn.Module]:
+    """Modules ``func`` reaches: itself, a bound method's owner, a ``functools.partial``'s
+    arguments, closure cells (and lists of modules in them), `InTurn`'s parts."""
     if depth > 3:
         return []
     if isinstance(func, torch.nn.Module):
         return [func]
     out: list[torch.nn.Module] = []
+    if isinstance(func, InTurn):
+        for part in func.parts:
+            out += modules_reachable(part, depth + 1)
+        return out
     if isinstance(func, functools.partial):
-        out += _modules_reachable(func.func, depth + 1)
+        out += modules_reachable(func.func, depth + 1)
         for a in (*func.args, *func.keywords.values()):
-            out += _modules_reachable(a, depth + 1)
+            out += modules_reachable(a, depth + 1)
         return out
     owner = getattr(func, "__self__", None)
     if owner is not None:
-        out += _modules_reachable(owner, depth + 1)
+        out += modules_reachable(owner, depth + 1)
     for cell in getattr(func, "__closure__", None) or ():
         try:
             value = cell.cell_contents
@@ -116,6 +126,8 @@ def _modules_reachable(func: Any, depth: int = 0) -> list[torch.nn.Module]:
             continue
         if isinstance(value, torch.nn.Module):
             out.append(value)
+        elif isinstance(value, list | tuple):
+            out += [v for v in value if isinstance(v, torch.nn.Module)]
     return out
 
 

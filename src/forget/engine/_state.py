@@ -165,6 +165,8 @@ class StateTracker(PolicyReplay, TorchDispatchMode):
         #: running statistics), and whether a region started inside this one.
         self.touched_state = False
         self.nested = False
+        #: Running statistics that batch norms in training updated (NOTE [fast path]).
+        self.statistics: list[torch.Tensor] = []
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -229,6 +231,8 @@ class StateTracker(PolicyReplay, TorchDispatchMode):
         ):
             self.touched_state = True
             # NOTE [write-only statistics]
+            if not self._recomputing:
+                self.statistics += [t for t in args[3:5] if isinstance(t, torch.Tensor)]
             if self._recomputing:
                 func, args = _without_stats(func, args)
             written = tuple((i, name) for i, name in written if i not in (3, 4))

@@ -1,0 +1,349 @@
+"""Call sites of regions: learned once on the exact path, then run on saved-tensor hooks alone.
+
+NOTE [fast path]: the dispatch mode of NOTE [state tracking] costs a call into
+Python per op of the forward. What it finds out is, for most regions, the same
+on every call: whether the region writes into outside state and which, whether
+it draws from an explicit generator, whether it runs a policy, at which op each
+saved tensor was packed (for early stop). So the first call of a *site* (the
+module, bound method, function or callable object run as a region) runs the
+exact path and the site learns from its tracker. A later call of a site that
+learned it may runs the forward with saved-tensor hooks only, as torch's
+checkpoint does, under a guard that costs no per-op work:
+
+- *What is outside.* The storages of the call's tensor arguments and of every
+  parameter, buffer and tensor the callable reaches (a module's, a bound
+  method's owner's, a ``functools.partial``'s arguments, closure cells: as
+  `_replay.devices_of` finds them) are external; everything else the forward
+  saves is the region's own (`_FastTracker.made`), so nested regions and the
+  pack hook tell the two apart as they do with a tracker. A tensor reached some
+  other way (a global) counts as the region's own: its slot is rebuilt by the
+  re-run, which reads it again; only its identity is lost, never a value.
+- *Writes.* The versions of those tensors are read before and after the
+  forward. Every buffer of at most `SMALL_BUFFER_BYTES` (running statistics,
+  counters), and every larger one the site has seen written, is copied before
+  the forward and compared with its copy after it: batch norm's kernels update
+  the running statistics without bumping their version, so a version alone
+  does not tell. A written one is put back before the re-run and the values the
+  forward left after it, as on the exact path. So a write that only some calls
+  make (an average updated every tenth step, BatchNorm switched to training)
+  stays exact. A write the guard sees but cannot undo (into an argument, a
+  parameter, a large buffer never written before) raises `ForgetError` at the
+  end of that forward and sends the site back to the exact path.
+- *Random numbers.* The RNG of CPU and devices is always captured (the exact
+  path keeps it only for regions that drew), as torch's checkpoint does.
+- *Early stop.* The forward's saved tensors are compared with the ones the
+  site learned (shapes, dtypes, devices); when they agree the learned op
+  positions of the packs and of the ops that write into an argument place the
+  early stop (NOTE [early stop]); when not, this call's re-run runs the whole
+  function.
+
+What stays on the exact path: a policy, ``debug=True``, a site whose first call
+drew from an explicit ``generator=``, or wrote into anything but a buffer it
+reaches. What the fast path cannot see: a later call alone that draws from an
+explicit generator, writes into a tensor reached in neither way above, or
+writes into a large buffer without bumping its version.
+`fast_path` (``with forget.fast_path(False):``) turns it off for such code.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..errors import ForgetError
+from ._local import hidden
+from ._replay import modules_reachable
+from ._storage import StorageKey, storage_key
+
+__all__ = [
+    "SMALL_BUFFER_BYTES",
+    "FastTracker",
+    "Guard",
+    "Site",
+    "fast_path",
+    "site_of",
+]
+
+#: Buffers up to this size are copied before every fast forward (NOTE [fast path]).
+SMALL_BUFFER_BYTES = 64 * 1024
+
+
+class _Enabled(threading.local):
+    on = True
+
+
+_enabled = _Enabled()
+
+
+@contextmanager
+def fast_path(enabled: bool = True) -> Iterator[None]:
+    """Let regions run on the fast path (NOTE [fast path]), or make every call exact.
+
+    Regions started inside the ``with`` block (forward and, for their re-run, the
+    flag is read at the forward) follow ``enabled``; the previous setting comes
+    back at its end. Per thread.
+
+    Example:
+        >>> import torch, forget
+        >>> with forget.fast_path(False):
+        ...     y = forget.checkpoint(torch.nn.Linear(2, 2), torch.ones(1, 2))
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"forget: fast_path takes a bool, got {type(enabled).__name__}")
+    before = _enabled.on
+    _enabled.on = enabled
+    try:
+        yield
+    finally:
+        _enabled.on = before
+
+
+class Site:
+    """What the exact forward of a call site learned (NOTE [fast path]).
+
+    Attributes:
+        fast: ``None`` until learned; then whether later calls may run fast.
+        flags: the ``training`` flag of each module the call reaches.
+        meta: shape, dtype and device of each tensor the learned forward saved.
+        positions: the op position pending at each of its packs.
+        writers: positions of its ops that write into an argument.
+        written: buffers it read and wrote, copied before every fast forward.
+        write_only: buffers it only wrote (NOTE [write-only state]), put back after
+            the re-run and copied never.
+    """
+
+    __slots__ = ("fast", "flags", "meta", "positions", "write_only", "writers", "written")
+
+    def __init__(self) -> None:
+        self.fast: bool | None = None
+        self.flags: tuple[bool, ...] = ()
+        self.meta: list[Any] = []
+        self.positions: list[int] = []
+        self.writers: frozenset[int] = frozenset()
+        self.written = _TensorSet(())
+        self.write_only = _TensorSet(())
+
+    def learn(
+        self,
+        func: Any,
+        flat: Sequence[Any],
+        *,
+        eligible: bool,
+        written: Sequence[torch.Tensor],
+        write_only: Sequence[torch.Tensor],
+        meta: list[Any],
+        positions: list[int],
+        writers: frozenset[int],
+    ) -> None:
+        """Learn from an exact forward: fast only if every write was into a buffer."""
+        subs = _submodules(func, flat)
+        buffers = {storage_key(b): b for m in subs for b in m._buffers.values() if b is not None}
+        read_written = [buffers.get(storage_key(t)) for t in written]
+        only_written = [buffers.get(storage_key(t)) for t in write_only]
+        self.fast = eligible and None not in read_written and None not in only_written
+        if not self.fast:
+            return
+        self.flags = tuple(m.training for m in subs)
+        self.meta, self.positions, self.writers = list(meta), list(positions), writers
+        self.written = _TensorSet(b for b in read_written if b is not None)
+        self.write_only = _TensorSet(b for b in only_written if b is not None)
+
+
+class _TensorSet:
+    """Tensors by identity, held weakly (a ``WeakSet`` compares tensors with ``==``)."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        self._refs = {id(t): weakref.ref(t) for t in tensors}
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+
+_sites: weakref.WeakKeyDictionary[Any, dict[Any, Site]] = weakref.WeakKeyDictionary()
+
+
+def site_of(func: Any) -> Site | None:
+    """The site of ``func`` (created unlearned), or ``None`` when it is not enabled or
+    ``func`` cannot be told apart from one call to the next (NOTE [fast path])."""
+    if not _enabled.on:
+        return None
+    owner, part = _site_key(func)
+    if owner is None:
+        return None
+    try:
+        table = _sites.get(owner)
+        if table is None:
+            table = _sites[owner] = {}
+    except TypeError:  # not weakly referenceable
+        return None
+    site = table.get(part)
+    if site is None:
+        site = table[part] = Site()
+    return site
+
+
+def _site_key(func: Any, depth: int = 0) -> tuple[Any, Any]:
+    """(an object that lives as long as the site, what else tells it apart)."""
+    if depth > 3:
+        return None, None
+    if isinstance(func, functools.partial):
+        # A partial is made per call (Hugging Face's layers): its function is the site.
+        owner, part = _site_key(func.func, depth + 1)
+        return owner, ("partial", part, len(func.args), tuple(sorted(func.keywords)))
+    if isinstance(func, types.MethodType):
+        return func.__self__, func.__func__
+    return func, None
+
+
+class FastTracker:
+    """Stands for a fast forward among the running regions' trackers (`_local._packers`).
+
+    A tensor is the region's own unless its storage is one of ``external``'s;
+    ``nested`` is set by a region started inside (NOTE [plain re-run]).
+    """
+
+    __slots__ = ("external", "nested")
+
+    def __init__(self, external: set[StorageKey]) -> None:
+        self.external = external
+        self.nested = False
+
+    def made(self, key: StorageKey) -> bool:
+        return key not in self.external
+
+
+class Guard:
+    """Versions and copies of what a fast forward reaches (NOTE [fast path]).
+
+    Args:
+        site: the learned site.
+        func: the region's callable.
+        flat: the call's arguments, flattened.
+
+    Attributes:
+        matches: whether the reached modules' ``training`` flags are the learned
+            ones; if not, nothing else is set up and the call runs the exact path.
+        external: storage keys of every watched tensor.
+    """
+
+    __slots__ = ("_copies", "_kinds", "_site", "_versions", "_watched", "external", "matches")
+
+    def __init__(self, site: Site, func: Any, flat: Sequence[Any]) -> None:
+        self._site = site
+        subs = _submodules(func, flat)
+        self.matches = tuple(m.training for m in subs) == site.flags
+        if not self.matches:
+            return
+        watched: dict[int, torch.Tensor] = {}
+        kinds: dict[int, str] = {}
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                watched.setdefault(id(t), t)
+                kinds.setdefault(id(t), "argument")
+        for t in _reached_tensors(func):
+            watched.setdefault(id(t), t)
+            kinds.setdefault(id(t), "tensor the function reaches")
+        buffers: list[torch.Tensor] = []
+        for sub in subs:
+            for p in sub._parameters.values():
+                if p is not None and id(p) not in watched:
+                    watched[id(p)] = p
+                    kinds[id(p)] = "parameter"
+            for b in sub._buffers.values():
+                if b is not None and id(b) not in watched:
+                    watched[id(b)] = b
+                    kinds[id(b)] = "buffer"
+                    buffers.append(b)
+        self._watched = list(watched.values())
+        self._kinds = kinds
+        self._versions = [t._version for t in self._watched]
+        written, write_only = site.written, site.write_only
+        with hidden(), torch.no_grad():
+            self._copies = {
+                id(b): b.detach().clone()
+                for b in buffers
+                if b in written or (_nbytes(b) <= SMALL_BUFFER_BYTES and b not in write_only)
+            }
+        self.external = {storage_key(t) for t in self._watched if t.numel()}
+
+    def written(
+        self, name: str
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """What the forward wrote: (tensor, value before it) pairs, and write-only buffers.
+
+        Raises:
+            ForgetError: it wrote into a tensor it has no copy of and did not learn to
+                be write-only; the site goes back to the exact path.
+        """
+        pairs, write_only = [], []
+        copies, only = self._copies, self._site.write_only
+        for t, before in zip(self._watched, self._versions, strict=True):
+            copy = copies.get(id(t))
+            if copy is None and t in only:
+                write_only.append(t)  # batch norm's statistics: written, version or not
+                continue
+            if t._version == before and (copy is None or _equal(copy, t)):
+                continue
+            if copy is None:
+                self._site.fast = False
+                raise ForgetError(
+                    f"forget: this call of {name} wrote in place into a "
+                    f"{self._kinds[id(t)]} of shape {list(t.shape)} that its first call did "
+                    "not write into, so its value before the forward was not kept and the "
+                    "recomputation cannot be exact (NOTE [fast path]). Later calls of it "
+                    "run the exact path; run this step again, or wrap the first call in "
+                    "forget.fast_path(False)."
+                )
+            pairs.append((t, copy))
+        return pairs, write_only
+
+
+def _equal(copy: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether a buffer still holds its copied value (batch norm's kernels update the
+    running statistics without bumping their version)."""
+    with hidden(), torch.no_grad():
+        return torch.equal(copy, t)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _submodules(func: Any, flat: Sequence[Any]) -> list[torch.nn.Module]:
+    """Every module under those ``func`` reaches and those among the arguments, once."""
+    roots = modules_reachable(func) + [m for m in flat if isinstance(m, torch.nn.Module)]
+    found: dict[int, torch.nn.Module] = {}
+    for root in roots:
+        if id(root) not in found:
+            for sub in root.modules():
+                found.setdefault(id(sub), sub)
+    return list(found.values())
+
+
+def _reached_tensors(func: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors in a partial's arguments or a function's closure cells."""
+    if depth > 3:
+        return []
+    if isinstance(func, functools.partial):
+        found = _reached_tensors(func.func, depth + 1)
+        found += [a for a in (*func.args, *func.keywords.values()) if isinstance(a, torch.Tensor)]
+        return found
+    found = []
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    return found
