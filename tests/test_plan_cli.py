@@ -373,7 +373,9 @@ def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_pat
     assert list(crosses.get_ydata()) == [100 * row.plan_overhead for row in result.rows]
 
 
-def test_plan_of_a_module_that_is_no_chain_points_to_plan_apply():
+def test_plan_of_a_module_that_is_no_chain_is_a_tree_plan():
+    # forget.plan takes any module; one that is no chain is planned over its module
+    # tree (tests/test_tree_plan.py), and the same plan.apply(model) runs it.
     import torch
 
     import forget
@@ -383,5 +385,10 @@ def test_plan_of_a_module_that_is_no_chain_points_to_plan_apply():
             super().__init__()
             self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
 
-    with pytest.raises(TypeError, match=r"p\.apply\(model\.layers\), a callable over the blocks"):
-        forget.plan(Net(), torch.randn(2, 4), budget="50%")
+        def forward(self, x):
+            return self.layers[0](x)
+
+    net = Net()
+    plan = forget.plan(net, torch.randn(2, 4), budget=1.0, repeats=1)
+    assert isinstance(plan, forget.TreePlan) and plan.choices == {}
+    assert plan.apply(net) is net

@@ -522,7 +522,14 @@ def test_fraction_needs_a_reference():
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "match"),
     [
-        ((nn.Linear(2, 2), torch.randn(1, 2)), {}, TypeError, "nn.Sequential"),
+        # Any other module is planned as a module tree (tests/test_tree_plan.py); the
+        # tree's own arguments are refused for a chain.
+        (
+            (nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2)),
+            {"candidates": "0"},
+            TypeError,
+            "module tree",
+        ),
         (
             (nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2), torch.randn(1)),
             {},
@@ -566,7 +573,7 @@ def test_runner_checks_the_block_count():
 
 def test_plan_is_a_plain_function_and_schedules_import_no_torch():
     assert inspect.isfunction(forget.plan)
-    assert inspect.signature(forget.plan).return_annotation in ("Plan", Plan)
+    assert inspect.signature(forget.plan).return_annotation in ("Plan | TreePlan", Plan)
     assert forget.Plan is Plan
     assert not hasattr(forget.schedules, "Plan")
     code = "import sys, forget.schedules as s; assert 'torch' not in sys.modules; s.solve"

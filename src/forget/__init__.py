@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .nn import ForgetSequential as ForgetSequential
     from .nn import forget_sequential as forget_sequential
     from .planning import Plan as Plan
+    from .planning import TreePlan as TreePlan
     from .planning import plan as plan
     from .planning import profile_chain as profile_chain
 
@@ -56,6 +57,7 @@ _LAZY: dict[str, str] = {
     "SavedReport": ".memory",
     "plan": ".planning",
     "Plan": ".planning",
+    "TreePlan": ".planning",
     "profile_chain": ".planning",
 }
 
@@ -71,6 +73,7 @@ __all__ = [
     "Plan",
     "RecomputationMismatchError",
     "SavedReport",
+    "TreePlan",
     "__version__",
     "apply_forget",
     "checkpoint",

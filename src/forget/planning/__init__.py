@@ -8,7 +8,12 @@
 - `_plan`: `Plan`, a schedule over blocks with its measured figures; it runs,
   saves and loads.
 - `_planner`: `plan` and the `Planner` behind it (NOTE [measured, not
-  predicted]).
+  predicted]); a model that is no chain goes to the module-tree side:
+- `_tree_step`, `_tree_candidates`, `_tree_profile`: the step of any module,
+  its candidate regions (NOTE [tree candidates]) and their figures as a
+  `forget.schedules.Tree` (NOTE [tree figures]); `_tree_apply`: regions as
+  wrapped instance forwards (NOTE [instance forward]); `_tree_plan`:
+  `TreePlan`; `_tree_planner`: `TreePlanner` (NOTE [tree plans measured]).
 
 The pure algorithms live in `forget.schedules`, which imports no torch. Other
 packages import the names below, never the underscore modules.
@@ -26,11 +31,15 @@ from ._timing import paired_overheads as paired_overheads
 from ._timing import time_calls as time_calls
 from ._timing import time_rounds as time_rounds
 from ._timing import time_side_by_side as time_side_by_side
+from ._tree_plan import TreePlan as TreePlan
+from ._tree_planner import TreePlanner as TreePlanner
 
 __all__ = [
     "Plan",
     "PlannedSequential",
     "Planner",
+    "TreePlan",
+    "TreePlanner",
     "paired_overheads",
     "plan",
     "profile_chain",

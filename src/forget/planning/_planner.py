@@ -51,9 +51,10 @@ plans its budgets from the smallest up for this reason.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
+
+from torch import Tensor, nn
 
 from .. import schedules as P
 from ..errors import BudgetInfeasibleError
@@ -62,7 +63,14 @@ from ..policies import Policy
 from ._plan import Plan, run_items
 from ._profile import _check_options, profile_chain
 from ._targets import Block, LossFn, _Target, _target, untouched, zero_grads
-from ._timing import _displaces, time_rounds
+from ._timing import fastest_of, time_rounds
+from ._tree_candidates import CandidateSpec
+from ._tree_plan import TreePlan
+from ._tree_planner import plan_tree
+from ._tree_step import TreeLossFn
+
+if TYPE_CHECKING:
+    from ..models import BlockModel
 
 __all__ = ["Planner", "plan"]
 
@@ -93,9 +101,9 @@ class _Trials:
         return self.peaks[key]
 
 
-@frozen_heap()  # NOTE [frozen heap] in forget._measure
-def plan(
-    model_or_blocks: object,
+@overload
+def plan(  # type: ignore[overload-overlap]  # a chain is a Module too; it comes first
+    model_or_blocks: nn.Sequential | nn.ModuleList | Sequence[Block] | BlockModel,
     *sample_inputs: Any,
     budget: int | float | str,
     loss_fn: LossFn | None = None,
@@ -104,39 +112,93 @@ def plan(
     repeats: int = 3,
     chain: P.Chain | None = None,
     split: bool = False,
-) -> Plan:
+) -> Plan: ...
+
+
+@overload
+def plan(
+    model_or_blocks: nn.Module,
+    *sample_inputs: Any,
+    budget: int | float | str,
+    loss_fn: TreeLossFn | None = None,
+    algorithm: str = "optimal",
+    options: Mapping[str, Policy | bool] | None = None,
+    repeats: int = 3,
+    candidates: CandidateSpec | None = None,
+    samples: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> TreePlan: ...
+
+
+@frozen_heap()  # NOTE [frozen heap] in forget._measure
+def plan(
+    model_or_blocks: object,
+    *sample_inputs: Any,
+    budget: int | float | str,
+    loss_fn: Callable[[Any], Tensor] | None = None,
+    algorithm: str = "optimal",
+    options: Mapping[str, Policy | bool] | None = None,
+    repeats: int = 3,
+    chain: P.Chain | None = None,
+    split: bool = False,
+    candidates: CandidateSpec | None = None,
+    samples: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> Plan | TreePlan:
     """Fit a training step into ``budget`` bytes with the least recomputation.
 
-    Profiles the blocks (`profile_chain`), solves the chain with ``algorithm``
-    (`forget.schedules.ALGORITHMS`), applies candidate schedules and measures the
-    step, and returns the fastest whose measured peak fits (NOTE [measured, not
-    predicted] in this module). The model is left as it was.
+    A chain of blocks (``nn.Sequential``, ``nn.ModuleList`` or list of blocks,
+    a reference model): profiles the blocks (`profile_chain`), solves the chain
+    with ``algorithm`` (`forget.schedules.ALGORITHMS`), applies candidate
+    schedules and measures the step, and returns the fastest `Plan` whose
+    measured peak fits (NOTE [measured, not predicted] in this module). Any
+    other ``nn.Module``: the step ``loss_fn(model(*sample_inputs,
+    **kwargs)).backward()`` is planned over the model's module tree
+    (`TreePlanner`, NOTE [tree plans measured]) and a `TreePlan` returned, whose
+    peak by the allocator fits. The model is left as it was.
 
     Args:
         model_or_blocks: an ``nn.Sequential``, an ``nn.ModuleList`` or list of
-            blocks (tensor -> tensor), or a reference model of `forget.models`.
-        *sample_inputs: the first block's input (reference model: ``x, target``).
+            blocks (tensor -> tensor), a reference model of `forget.models`, or
+            any other ``nn.Module`` (planned as a module tree).
+        *sample_inputs: the first block's input (reference model: ``x, target``);
+            for a module tree, the model's positional inputs.
         budget: bytes (``int``), a string (``"512MiB"``, ``"2GB"``, ``"50%"``),
             or a fraction in ``(0, 1]`` of the plain step's measured peak.
-        loss_fn: output -> scalar loss for the step (default: ``output.sum()``).
-        algorithm: the planner (``"optimal"``, ``"uniform"``, ``"sqrt"``, ...).
+        loss_fn: output -> scalar loss for the step (default: ``output.sum()``;
+            for a module tree ``output.loss`` when the output has one).
+        algorithm: the planner (``"optimal"``, ``"uniform"``, ``"sqrt"``, ...);
+            a module tree is planned by the exact tree solver (``"optimal"``).
         options: name -> policy: partial keeps per stage (issue: selective
-            recomputation), e.g. ``{"matmuls": save_outputs_of(*MATMUL)}``.
+            recomputation), e.g. ``{"matmuls": save_outputs_of(*MATMUL)}``; for
+            a module tree, leaf options of every candidate module.
         repeats: timing repeats per profiled figure.
         chain: figures from an earlier `profile_chain` of the same blocks and
-            options (and ``split``), to skip profiling.
+            options (and ``split``), to skip profiling. Chains only.
         split: plan on the stages the blocks offer (NOTE [finer stages]), so
             regions may start and end inside a block: a GPT block's two
             residual halves, a conv block's conv, BatchNorm and ReLU. The
             baselines stay on whole blocks. Off by default: profiling costs
             the same per stage as per block, so a split chain takes longer.
+            Chains only.
+        candidates: module trees only: the submodules that may be regions, by
+            name pattern (``"*.layers.*"``) or type, or a list of them (NOTE
+            [tree candidates]); default: repeated blocks and the modules above.
+        samples: module trees only: batches to plan for (each a dict of keyword
+            inputs, a tuple of positional inputs or a tensor) instead of the
+            inputs; the largest is measured, and a larger input warns.
+        **kwargs: module trees only: the model's keyword inputs. plan's own
+            names above are taken by plan (NOTE [plan's keywords]).
 
     Returns:
-        A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` runs it.
+        A `Plan` or a `TreePlan`; ``print(plan)`` shows it, ``plan.apply(model)``
+        runs it.
 
     Raises:
         BudgetInfeasibleError: the budget is below the smallest feasible one,
             which the error names (``min_feasible_bytes``).
+        TypeError: arguments for the other kind of model; a module tree's
+            output with no loss and no ``loss_fn``.
 
     Example:
         >>> import torch, forget
@@ -148,6 +210,38 @@ def plan(
         >>> p.measured_peak_bytes <= p.budget_bytes
         True
     """
+    if _is_tree(model_or_blocks):
+        assert isinstance(model_or_blocks, nn.Module)
+        if chain is not None or split:
+            raise TypeError(
+                f"forget: chain= and split= are for chains of blocks; "
+                f"{type(model_or_blocks).__name__} is planned as a module tree; drop them"
+            )
+        if algorithm != "optimal":
+            raise ValueError(
+                f"forget: a module tree is planned by the exact tree solver "
+                f"(algorithm='optimal'), got algorithm={algorithm!r}"
+            )
+        return plan_tree(
+            model_or_blocks,
+            sample_inputs,
+            kwargs,
+            budget=budget,
+            loss_fn=loss_fn,
+            candidates=candidates,
+            options=options,
+            repeats=repeats,
+            samples=samples,
+        )
+    if kwargs or candidates is not None or samples is not None:
+        given = sorted(kwargs) + [
+            n for n, v in (("candidates", candidates), ("samples", samples)) if v is not None
+        ]
+        raise TypeError(
+            f"forget: {given} are for a module tree; a chain of blocks "
+            f"({type(model_or_blocks).__name__}) takes its first block's input positionally: "
+            "forget.plan(blocks, x, budget=...)"
+        )
     planner = Planner(
         model_or_blocks,
         sample_inputs,
@@ -158,6 +252,15 @@ def plan(
         split=split,
     )
     return planner.plan(budget, algorithm=algorithm)
+
+
+def _is_tree(model: object) -> bool:
+    """Whether ``plan`` plans ``model`` as a module tree: a module that is no chain."""
+    from ..models import BlockModel
+
+    return isinstance(model, nn.Module) and not isinstance(
+        model, nn.Sequential | nn.ModuleList | BlockModel
+    )
 
 
 class Planner:
@@ -296,29 +399,16 @@ class Planner:
         for schedule, peak in sorted(fitting, key=lambda sp: (sp[0].predicted_time_s, sp[1])):
             unique.setdefault(schedule.items, (schedule, peak))
         candidates = list(unique.values())
-        if len(candidates) == 1:
-            return candidates[0]
         runners = {
             i: run_items(s.items, self.target.blocks, self.policies)
             for i, (s, _) in enumerate(candidates)
         }
-        rounds = time_rounds(self.target, runners, max(1, self.repeats))
-        reference = rounds[0]  # the predicted fastest
 
-        def lead(i: int) -> float:
-            return statistics.median(a - b for a, b in zip(rounds[i], reference, strict=True))
+        def time(indices: Sequence[int]) -> dict[int, list[float]]:
+            chosen = {i: runners[i] for i in indices}
+            return time_rounds(self.target, chosen, max(1, self.repeats))
 
-        best = min(rounds, key=lambda i: (lead(i), i))
-        if best != 0 and _displaces(rounds[best], reference):
-            # NOTE [confirmed on fresh rounds]
-            fresh = time_rounds(
-                self.target, {0: runners[0], best: runners[best]}, max(1, self.repeats)
-            )
-            if not _displaces(fresh[best], fresh[0]):
-                best = 0
-        else:
-            best = 0
-        return candidates[best]
+        return candidates[fastest_of(time, len(candidates))]
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:

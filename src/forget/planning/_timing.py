@@ -129,6 +129,31 @@ def paired_overheads(
     return {key: [t / b - 1 for t, b in zip(ts, base, strict=True)] for key, ts in rounds.items()}
 
 
+def fastest_of(time: Callable[[Sequence[int]], Mapping[int, Sequence[float]]], count: int) -> int:
+    """The index of the fastest of ``count`` candidates; candidate 0 is the predicted fastest.
+
+    ``time(indices)`` times those candidates side by side and returns their
+    step times round by round (`time_rounds`, `time_calls`). NOTE [consistently
+    faster] and NOTE [confirmed on fresh rounds] (in `forget.planning._planner`):
+    each is ranked by the median of its differences to candidate 0, round by
+    round, and the best displaces candidate 0 only if it was faster in two
+    thirds of the rounds, and again in two thirds of fresh rounds.
+    """
+    if count <= 1:
+        return 0
+    rounds = time(range(count))
+    reference = rounds[0]
+
+    def lead(i: int) -> float:
+        return statistics.median(a - b for a, b in zip(rounds[i], reference, strict=True))
+
+    best = min(rounds, key=lambda i: (lead(i), i))
+    if best == 0 or not _displaces(rounds[best], reference):
+        return 0
+    fresh = time([0, best])  # NOTE [confirmed on fresh rounds]
+    return best if _displaces(fresh[best], fresh[0]) else 0
+
+
 def _displaces(rounds: Sequence[float], reference: Sequence[float]) -> bool:
     """NOTE [consistently faster]: faster than ``reference`` in two thirds of the rounds or more."""
     wins = sum(a < b for a, b in zip(rounds, reference, strict=True))

@@ -1,0 +1,281 @@
+"""Budgeted planning on any module: its module tree profiled, solved exactly, then measured.
+
+`forget.plan` hands a model that is no chain of blocks to `TreePlanner`: the
+candidate modules (NOTE [tree candidates]) are profiled into a
+`forget.schedules.Tree` (NOTE [tree figures]), whose exact Pareto frontier
+(`forget.schedules.tree_frontier`) gives, for every budget the cost model
+accepts, the assignment with the least extra time.
+
+NOTE [tree plans measured]: as for chains (NOTE [measured, not predicted] in
+`._planner`), no prediction is trusted. A plan is judged by the allocator's
+peak of the real step: on CPU the allocator's own events
+(``forget.measure(..., probe="profiler")``), on CUDA
+``torch.cuda.max_memory_allocated``; not by the tensor-storage ledger, which
+does not see kernel workspaces (a BatchNorm conv step reads less on the ledger
+than the allocator hands out). Every assignment tried is applied and its step
+measured once: the frontier's least-memory point and the baseline that
+forgets every innermost candidate (every layer, as transformers'
+checkpointing does), whose least measured peak is the least feasible budget;
+then, from the frontier point the model predicts to fit, a search along the
+frontier (a step up after a fit, down after a miss, halving once both sides
+are known) for the point of least extra time that fits, measured. The fitting
+assignments, with those earlier budgets proposed that fit this one too (NOTE
+[monotone in the budget]), are timed side by side, and the fastest measured
+wins (`fastest_of`: the predicted fastest unless another is consistently
+faster). The chosen one is measured on the ledger too, and the plan reports
+both peaks. A returned plan has ``measured_peak_bytes <= budget_bytes``, by
+the allocator, for the inputs it was planned with.
+"""
+
+from __future__ import annotations
+
+import functools
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from .. import schedules as P
+from ..errors import BudgetInfeasibleError
+from ..memory import frozen_heap, measure
+from ..policies import Policy
+from ._profile import _check_options
+from ._targets import untouched, zero_grads
+from ._timing import fastest_of, time_calls
+from ._tree_apply import applied
+from ._tree_candidates import ROOT, CandidateSpec, structure
+from ._tree_plan import TreePlan
+from ._tree_profile import profile_tree
+from ._tree_step import TreeLossFn, TreeStep, samples_step
+
+__all__ = ["TreePlanner", "plan_tree"]
+
+# Assignments measured along the frontier for one budget, at most.
+_MAX_PROBES = 10
+# Byte figures are pruned in units of the plain peak over this (NOTE [tree Pareto solver]).
+_UNITS_PER_PEAK = 1 << 16
+
+_Key = tuple[tuple[str, str], ...]
+
+
+def _key(choices: Mapping[str, str]) -> _Key:
+    return tuple(sorted(choices.items()))
+
+
+@frozen_heap()  # NOTE [frozen heap] in forget._measure
+def plan_tree(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    budget: int | float | str,
+    loss_fn: TreeLossFn | None = None,
+    candidates: CandidateSpec | None = None,
+    options: Mapping[str, Policy | bool] | None = None,
+    repeats: int = 3,
+    samples: Sequence[Any] | None = None,
+) -> TreePlan:
+    """`forget.plan` for a model that is not a chain: see `TreePlanner`."""
+    planner = TreePlanner(
+        model,
+        args,
+        kwargs,
+        loss_fn=loss_fn,
+        candidates=candidates,
+        options=options,
+        repeats=repeats,
+        samples=samples,
+    )
+    return planner.plan(budget)
+
+
+class TreePlanner:
+    """Profile a model's step once, then plan it for several budgets (NOTE [tree plans measured]).
+
+    Args:
+        model: any ``nn.Module``.
+        args, kwargs: the step's inputs, ``model(*args, **kwargs)``.
+        loss_fn: output -> scalar loss; default ``output.loss``, or the sum of a
+            tensor output (`step_loss`).
+        candidates: which submodules may be regions (NOTE [tree candidates]).
+        options: name -> policy, leaf options for every candidate.
+        repeats: timing repeats per figure.
+        samples: batches to plan for instead of ``args``/``kwargs``: the
+            largest is measured (`samples_step`).
+    """
+
+    @frozen_heap()  # NOTE [frozen heap] in forget._measure
+    def __init__(
+        self,
+        model: nn.Module,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        loss_fn: TreeLossFn | None = None,
+        candidates: CandidateSpec | None = None,
+        options: Mapping[str, Policy | bool] | None = None,
+        repeats: int = 3,
+        samples: Sequence[Any] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"forget: TreePlanner plans an nn.Module, got {type(model).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"forget: loss_fn must be callable, got {type(loss_fn).__name__}")
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"forget: repeats must be an int >= 1, got {repeats!r}")
+        step_args, step_kwargs, sizes = samples_step(tuple(args), dict(kwargs or {}), samples)
+        self.step = TreeStep(model, step_args, step_kwargs, loss_fn)
+        self.policies = _check_options(options)
+        self.repeats = repeats
+        self.sizes = tuple({k: tuple(v) for k, v in s.items()} for s in sizes)
+        self.structure = tuple(structure(model))
+        self.profile = profile_tree(self.step, candidates, self.policies, repeats)
+        self.tree = self.profile.tree
+        self.plain_peak = self.profile.plain_peak_bytes
+        self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
+        self.frontier = P.tree_frontier(self.tree, unit_bytes=self.unit)
+        # Measured allocator peaks by assignment; NOTE [monotone in the budget]: proposals.
+        self.peaks: dict[_Key, int] = {(): self.plain_peak}
+        self.proposed: dict[_Key, dict[str, str]] = {}
+
+    # ------------------------------------------------------------ measuring
+
+    def choices_at(self, index: int) -> dict[str, str]:
+        """The assignment of the frontier's ``index``-th point (peaks rising)."""
+        peak = self.frontier[index][0]
+        return P.solve_tree(self.tree, peak, unit_bytes=self.unit).choices
+
+    def measure_peak(self, choices: Mapping[str, str], probe: str | None = None) -> int:
+        """The step's peak under ``choices``, by ``probe`` (default: the allocator's)."""
+        target = self.step.target()
+        with untouched(target), applied(self.step.model, choices, self.policies):
+            zero_grads(target)
+            report = measure(self.step.run, probe=probe or self.profile.probe)
+        return report.peak_bytes
+
+    def peak(self, choices: Mapping[str, str]) -> int:
+        """The allocator's peak under ``choices``, measured once per assignment."""
+        key = _key(choices)
+        if key not in self.peaks:
+            self.peaks[key] = self.measure_peak(choices)
+        return self.peaks[key]
+
+    def baseline(self) -> dict[str, str]:
+        """Every innermost candidate forgotten (each layer, as transformers checkpoints)."""
+        inner = [n for n in self._names() if not self.tree.node(n).children]
+        return dict.fromkeys(inner, "forget")
+
+    def _names(self) -> list[str]:
+        out: list[str] = []
+
+        def visit(node: P.TreeNode) -> None:
+            if node.name != ROOT:
+                out.append(node.name)
+            for child in node.children:
+                visit(child)
+
+        visit(self.tree.root)
+        return out
+
+    def _search(self, budget_bytes: int) -> list[tuple[dict[str, str], int]]:
+        """Fitting assignments found along the frontier (NOTE [tree plans measured])."""
+        predicted = [peak for peak, _ in self.frontier]
+        lo, hi = -1, len(predicted)  # the last index known to fit, the first known not to
+        i = min(max(bisect_right(predicted, budget_bytes) - 1, 0), hi - 1)
+        step = 1
+        fitting = []
+        for _ in range(_MAX_PROBES):
+            choices = self.choices_at(i)
+            peak = self.peak(choices)
+            if peak <= budget_bytes:
+                fitting.append((choices, peak))
+                lo, nxt = i, i + step
+            else:
+                hi, nxt = i, i - step
+            step *= 2
+            if hi - lo <= 1:
+                break
+            i = nxt if lo < nxt < hi else (lo + hi) // 2
+        return fitting
+
+    def _fastest(self, fitting: list[tuple[dict[str, str], int]]) -> tuple[dict[str, str], int]:
+        """The fitting assignment whose step is fastest, measured (`fastest_of`)."""
+        unique: dict[_Key, tuple[dict[str, str], int]] = {}
+        for choices, peak in sorted(fitting, key=lambda cp: (self.extra_s(cp[0]), cp[1])):
+            unique.setdefault(_key(choices), (choices, peak))
+        candidates = list(unique.values())
+        target = self.step.target()
+
+        def time(indices: Sequence[int]) -> dict[int, list[float]]:
+            calls = {i: functools.partial(self._run_under, candidates[i][0]) for i in indices}
+            with untouched(target):
+                return time_calls(calls, self.repeats, prepare=lambda _: zero_grads(target))
+
+        return candidates[fastest_of(time, len(candidates))]
+
+    def _run_under(self, choices: Mapping[str, str]) -> None:
+        with applied(self.step.model, choices, self.policies):
+            self.step.run()
+
+    def extra_s(self, choices: Mapping[str, str]) -> float:
+        """The cost model's seconds ``choices`` add to a step."""
+        return P.tree_figures(self.tree, choices).extra_s
+
+    # ------------------------------------------------------------ planning
+
+    @frozen_heap()  # NOTE [frozen heap] in forget._measure
+    def plan(self, budget: int | float | str) -> TreePlan:
+        """Return the fastest measured plan whose allocator peak fits ``budget``.
+
+        Args:
+            budget: bytes, a size string (``"512MiB"``) or a share of the plain
+                step's allocator peak (``"60%"``, ``0.6``).
+
+        Raises:
+            BudgetInfeasibleError: below the least peak measured of any
+                assignment tried (``min_feasible_bytes``).
+        """
+        budget_bytes = P.parse_budget(budget, self.plain_peak)
+        tried = [self.choices_at(0), self.baseline()]
+        peaks = [self.peak(c) for c in tried]
+        min_feasible = min(self.plain_peak, *peaks)
+        if budget_bytes < min_feasible:
+            raise BudgetInfeasibleError(
+                f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
+                f"{min_feasible:,} B (the least allocator peak measured of any plan tried; "
+                f"the plain step peaks at {self.plain_peak:,} B); raise the budget, or offer "
+                "more candidates (candidates=) or options (options=)",
+                budget_bytes=budget_bytes,
+                min_feasible_bytes=min_feasible,
+            )
+        if budget_bytes >= self.plain_peak:
+            fitting: list[tuple[dict[str, str], int]] = [({}, self.plain_peak)]
+        else:
+            fitting = [(c, p) for c, p in zip(tried, peaks, strict=True) if p <= budget_bytes]
+            fitting += self._search(budget_bytes)
+            fitting += [
+                (c, peak) for c in self.proposed.values() if (peak := self.peak(c)) <= budget_bytes
+            ]
+            for c, _ in fitting:
+                self.proposed.setdefault(_key(c), c)
+        best, best_peak = self._fastest(fitting)
+        figures = P.tree_figures(self.tree, best)
+        order = {name: i for i, name in enumerate(self._names())}
+        return TreePlan(
+            choices=dict(sorted(best.items(), key=lambda kv: order[kv[0]])),
+            tree=self.tree,
+            budget_bytes=budget_bytes,
+            measured_peak_bytes=best_peak,
+            ledger_peak_bytes=self.measure_peak(best, "ledger"),
+            plain_peak_bytes=self.plain_peak,
+            plain_ledger_peak_bytes=self.profile.plain_ledger_peak_bytes,
+            min_feasible_bytes=min_feasible,
+            predicted_peak_bytes=figures.peak_bytes,
+            predicted_extra_s=figures.extra_s,
+            probe=self.profile.probe,
+            structure=self.structure,
+            input_sizes=self.sizes,
+            option_names=tuple(self.policies),
+            policies=self.policies,
+        )

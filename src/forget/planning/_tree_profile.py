@@ -1,0 +1,408 @@
+"""Profile a model's step into a `forget.schedules.Tree`: bytes per module, times per region.
+
+NOTE [tree figures]: the cost model (NOTE [tree cost model] in
+`forget.schedules`) asks of each candidate ``v`` its own bytes ``a`` (saved by
+its ops, not inside a candidate below it) and its inputs' bytes ``in`` (what a
+region around it holds). One plain forward under the ledger (`forget.memory`)
+gives both: a pre-hook and a hook on every candidate open and close a ledger
+entry, and note the storages it takes and returns; when the loss is computed,
+every storage made in the step and still alive is held until backward, and is
+charged to one node:
+
+* a storage some candidates take as input goes to the innermost of them (to
+  the nearest common candidate ancestor of several innermost ones: the
+  attention mask or rotary tables every layer reads). It is held whether
+  that node is kept (its ops save it) or forgotten (its region holds it),
+  and freed only when a region above it is forgotten; so it is in that node's
+  ``a`` and ``in`` alike, once (a layer's input, the output of the layer
+  before it, is the layer's, not its maker's);
+* any other storage goes to the innermost candidate whose forward made it,
+  and up to its parent while it is that candidate's output: a region returns
+  its outputs, so forgetting it does not free them.
+
+``in(v)`` is the bytes of the inputs ``v`` takes that the step made (parameters
+and the step's own inputs are held anyway), less those charged to a candidate
+above ``v``, which hold them whatever ``v`` chooses. What the plain step holds
+beyond the saved bytes (gradients, backward's temporaries, kernel workspaces
+the ledger cannot see) is ``Tree.base_bytes``: the allocator's plain peak
+minus the model's, so the keep-all plan predicts the plain peak exactly.
+Times: a node's ``forward_s`` is its forward with grad on the inputs it took
+in that step, plus the fixed cost of a region (NOTE [time of a region]),
+medians over ``repeats``, alike modules sharing their medians (NOTE [alike
+stages]). A leaf option's figures (a policy keep, regenerate) are measured
+on the module alone with those inputs: the bytes it saves fewer than keeping,
+and its step's extra time.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from .. import schedules as P
+from ..engine import storage_of
+from ..memory import Ledger, measure, watch
+from ..policies import Policy
+from ._profile import _region_overhead_s
+from ._targets import untouched, zero_grads
+from ._timing import _alternating_median_difference, _median_s, _step_timer
+from ._tree_apply import is_wrapped, run_option
+from ._tree_candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
+from ._tree_step import TreeStep
+
+
+@dataclass(frozen=True)
+class TreeProfile:
+    """A step's candidate tree, its figures, and the plain step's measured peaks."""
+
+    tree: P.Tree
+    parent: dict[str, str]
+    types: dict[str, str]
+    plain_peak_bytes: int  # by the allocator (``probe``)
+    plain_ledger_peak_bytes: int
+    probe: str
+
+
+def allocator_probe(step: TreeStep) -> str:
+    """The probe whose peak counts: CUDA's allocator on CUDA, the CPU allocator's events else."""
+    tensors = [*step.model.parameters(), *step.target().inputs]
+    return "cuda" if any(t.device.type == "cuda" for t in tensors) else "profiler"
+
+
+def profile_tree(
+    step: TreeStep,
+    candidates: CandidateSpec | None,
+    policies: Mapping[str, Policy],
+    repeats: int,
+) -> TreeProfile:
+    """Measure ``step`` into a `TreeProfile` (NOTE [tree figures]); the model is left as it was.
+
+    Raises:
+        ValueError: no named candidate called exactly once; a model that runs
+            a forget region of a plan applied before.
+        TypeError: the step's output has no loss (`step_loss`).
+    """
+    model = step.model
+    wrapped = [name for name, m in model.named_modules() if is_wrapped(m)]
+    if wrapped:
+        raise ValueError(
+            f"forget: {wrapped[0] or type(model).__name__!r} runs as a forget region already; "
+            "plan the model as it is without a plan (plan.remove(model)), then apply the new one"
+        )
+    names = find_candidates(model, candidates)
+    target = step.target()
+    probe = allocator_probe(step)
+    with untouched(target):
+        calls, captured = _capture(step, names)
+        names = _called_once(names, calls, named=candidates is not None)
+        parent = parents(names)
+        zero_grads(target)
+        own, inputs, ledger_peak = _attribute(step, names, parent)
+        zero_grads(target)
+        plain_peak = measure(step.run, probe=probe).peak_bytes
+        times = _forward_times(model, names, captured, repeats)
+        options = _options(model, names, captured, policies, repeats, own, inputs, parent)
+    children: dict[str, list[str]] = {ROOT: [], **{n: [] for n in names}}
+    for name in names:
+        children[parent[name]].append(name)
+
+    def node(name: str) -> P.TreeNode:
+        return P.TreeNode(
+            name,
+            tuple(node(c) for c in children[name]),
+            own_bytes=own[name],
+            input_bytes=inputs.get(name, 0),
+            forward_s=times.get(name, 0.0),
+            options=options.get(name, ()),
+            can_forget=name != ROOT,
+        )
+
+    root = node(ROOT)
+    predicted = P.tree_figures(P.Tree(root), {}).peak_bytes
+    tree = P.Tree(root, base_bytes=max(0, plain_peak - predicted))
+    types = {ROOT: type(model).__name__}
+    types.update({n: type(model.get_submodule(n)).__name__ for n in names})
+    return TreeProfile(tree, parent, types, plain_peak, ledger_peak, probe)
+
+
+# ------------------------------------------------------------------ passes
+
+_Captured = dict[str, tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def _detached(t: Tensor) -> Tensor:
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def _capture(step: TreeStep, names: list[str]) -> tuple[dict[str, int], _Captured]:
+    """One forward: how often each candidate runs, in what order, and on what inputs.
+
+    The inputs are kept detached (leaves that require grad where the originals
+    did), to time and measure each module alone; dicts keep the call order.
+    """
+    calls: dict[str, int] = {}
+    captured: _Captured = {}
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            captured.setdefault(name, pytree.tree_map_only(Tensor, _detached, (args, kwargs)))
+
+        return hook
+
+    handles = [
+        step.model.get_submodule(n).register_forward_pre_hook(pre(n), with_kwargs=True)
+        for n in names
+    ]
+    try:
+        step.loss()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, captured
+
+
+def _called_once(names: list[str], calls: Mapping[str, int], named: bool) -> list[str]:
+    """The candidates run once per step, in call order (NOTE [tree candidates]).
+
+    A module never called (an ``nn.ModuleList``, a branch the step skips) or
+    called more than once (a shared block) is no candidate; a ``candidates=``
+    whose every match is one of those raises.
+    """
+    once = set(names)
+    kept = [name for name in calls if name in once and calls[name] == 1]
+    if named and not kept:
+        runs = ", ".join(f"{name!r} {calls.get(name, 0)}" for name in names[:4])
+        raise ValueError(
+            f"forget: no module candidates= matches runs exactly once in a step (runs: {runs}); "
+            "a region wraps the module's forward, and the cost model describes one run per "
+            "step; name modules the step calls once"
+        )
+    return kept
+
+
+def _attribute(
+    step: TreeStep, names: list[str], parent: Mapping[str, str]
+) -> tuple[dict[str, int], dict[str, int], int]:
+    """Own and input bytes per node (NOTE [tree figures]) and the plain step's ledger peak."""
+    ledger = Ledger()
+    entries: dict[str, list[Any]] = {n: [] for n in names}
+    # Ledger records (held, so their ids stay theirs) of made storages taken / returned.
+    taken: dict[str, dict[int, tuple[Any, int]]] = {n: {} for n in names}
+    returned: dict[str, set[int]] = {n: set() for n in names}
+
+    def made(value: Any) -> list[tuple[Any, int]]:
+        records = ledger.records()
+        out = []
+        for leaf in pytree.tree_leaves(value):
+            s = storage_of(leaf)
+            rec = None if s is None else records.get(id(s))
+            if rec is not None and rec.op and s is not None:
+                out.append((rec, s.nbytes()))
+        return out
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            taken[name].update((id(rec), (rec, n)) for rec, n in made((args, kwargs)))
+            entries[name].append(ledger.enter(name))
+
+        return hook
+
+    def post(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            ledger.exit(entries[name].pop())
+            returned[name].update(id(rec) for rec, _ in made(output))
+
+        return hook
+
+    handles = []
+    for n in names:
+        module = step.model.get_submodule(n)
+        handles.append(module.register_forward_pre_hook(pre(n), with_kwargs=True))
+        handles.append(module.register_forward_hook(post(n), with_kwargs=True, always_call=True))
+    try:
+        with watch(ledger):
+            loss = step.loss()
+            live = [rec for rec in ledger.records().values() if rec.counted and rec.op]
+            loss.backward()
+            del loss
+        peak = ledger.peak
+    finally:
+        ledger.close()
+        for handle in handles:
+            handle.remove()
+    users: dict[int, list[str]] = {}
+    for name in names:
+        for key in taken[name]:
+            users.setdefault(key, []).append(name)
+    own = {ROOT: 0, **{n: 0 for n in names}}
+    owner_of: dict[int, str] = {}
+    for rec in live:
+        key = id(rec)
+        if key in users:
+            owner = _innermost(users[key], parent)
+        else:
+            inside = [e.name for e in rec.entries if e.name in own]
+            owner = inside[-1] if inside else ROOT
+            while owner != ROOT and key in returned[owner]:
+                owner = parent[owner]
+        owner_of[key] = owner
+        own[owner] += rec.counted
+    inputs = {
+        name: sum(
+            n
+            for key, (_, n) in taken[name].items()
+            if owner_of.get(key) not in ancestors(name, parent)
+        )
+        for name in names
+    }
+    return own, inputs, peak
+
+
+def _innermost(users: list[str], parent: Mapping[str, str]) -> str:
+    """The innermost of the candidates taking a storage; several: their nearest common ancestor."""
+    above = {a for u in users for a in ancestors(u, parent)}
+    inner = [u for u in dict.fromkeys(users) if u not in above]
+    if len(inner) == 1:
+        return inner[0]
+    common = [ROOT, *reversed(ancestors(inner[0], parent)[:-1]), inner[0]]
+    for u in inner[1:]:
+        chain = {u, *ancestors(u, parent)}
+        common = [c for c in common if c in chain]
+    return common[-1]
+
+
+# ------------------------------------------------------------------ times
+
+
+def _signature(module: nn.Module, captured: tuple[Any, Any]) -> tuple[Any, ...]:
+    """What makes two modules alike (NOTE [alike stages]): they get the medians of their times."""
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    layout = tuple(
+        (tuple(t.shape), t.dtype, t.requires_grad)
+        for t in pytree.tree_leaves(captured)
+        if isinstance(t, Tensor)
+    )
+    return (type(module), repr(module), module.training, params, layout)
+
+
+def _forward_times(
+    model: nn.Module, names: list[str], captured: _Captured, repeats: int
+) -> dict[str, float]:
+    """Each candidate's forward with grad, plus a region's fixed cost (NOTE [time of a region])."""
+    times: dict[str, float] = {}
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name in names:
+        module = model.get_submodule(name)
+        args, kwargs = captured[name]
+        times[name] = _median_s(functools.partial(module, *args, **kwargs), repeats)
+        groups.setdefault(_signature(module, captured[name]), []).append(name)
+    for members in groups.values():
+        median = statistics.median(times[m] for m in members)
+        times.update(dict.fromkeys(members, median))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
+    return {name: t + fixed for name, t in times.items()}
+
+
+def _scalar(output: Any) -> Tensor:
+    """The sum of every floating tensor in ``output`` that requires grad (one backward for all)."""
+    leaves = [
+        t.sum()
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point()
+    ]
+    return torch.stack(leaves).sum() if leaves else torch.zeros(())
+
+
+def _options(
+    model: nn.Module,
+    names: list[str],
+    captured: _Captured,
+    policies: Mapping[str, Policy],
+    repeats: int,
+    own: Mapping[str, int],
+    inputs: Mapping[str, int],
+    parent: Mapping[str, str],
+) -> dict[str, tuple[P.TreeOption, ...]]:
+    """Each candidate's leaf options, measured on the module alone (NOTE [tree figures])."""
+    if not policies:
+        return {}
+    held: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    for name in reversed(names):  # children before parents: keep-all figures bottom up
+        running = most = 0
+        for kid in (n for n in names if parent[n] == name):
+            most = max(most, running + peak[kid])
+            running += held[kid]
+        held[name], peak[name] = own[name] + running, own[name] + most
+    out: dict[str, tuple[P.TreeOption, ...]] = {}
+    for name in names:
+        options = []
+        alone = _Alone(model.get_submodule(name), *captured[name])
+        for option, policy in policies.items():
+            saves, extra_s = alone.option(policy, repeats)
+            option_held = max(0, held[name] - saves)
+            # A policy region re-runs in backward on top of its inputs, as a forgotten
+            # node does; regenerate rebuilds its outputs within the kept peak.
+            option_peak = peak[name] + (0 if policy.regenerate else inputs.get(name, 0))
+            options.append(
+                P.TreeOption(
+                    option,
+                    held_bytes=option_held,
+                    peak_bytes=max(option_held, option_peak),
+                    extra_s=extra_s,
+                    in_regions=bool(policy.regenerate),
+                )
+            )
+        alone.clear()
+        out[name] = tuple(options)
+    return out
+
+
+class _Alone:
+    """A module run alone on the inputs it took in the step, plainly or under an option."""
+
+    def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.forward = module.forward
+        self.args, self.kwargs = args, kwargs
+        params = [p for p in module.parameters() if p.requires_grad]
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        self.tensors = [*params, *leaves]
+        self.kept_bytes: int | None = None
+
+    def clear(self) -> None:
+        for t in self.tensors:
+            t.grad = None
+
+    def run(self, policy: Policy | None) -> Any:
+        if policy is None:
+            return self.forward(*self.args, **self.kwargs)
+        return run_option(self.forward, self.args, self.kwargs, policy)
+
+    def loss(self, policy: Policy | None) -> Tensor:
+        return _scalar(self.run(policy))
+
+    def saved_bytes(self, policy: Policy | None) -> int:
+        """Bytes alive after the forward alone (saved for backward, and its outputs)."""
+        self.clear()
+        return measure(self.run, policy).end_bytes
+
+    def option(self, policy: Policy, repeats: int) -> tuple[int, float]:
+        """Bytes ``policy`` saves fewer than keeping, and the seconds it adds to a step."""
+        if self.kept_bytes is None:
+            self.kept_bytes = self.saved_bytes(None)
+        saves = max(0, self.kept_bytes - self.saved_bytes(policy))
+        extra_s = _alternating_median_difference(
+            _step_timer(functools.partial(self.loss, policy), self.clear),
+            _step_timer(functools.partial(self.loss, None), self.clear),
+            repeats,
+        )
+        return saves, extra_s

@@ -1,0 +1,214 @@
+"""One training step of any module: its inputs, its loss, the samples it is planned for.
+
+A tree plan (`._tree_planner`) plans the step ``loss = loss_fn(model(*args,
+**kwargs)); loss.backward()``. `TreeStep` holds it; `step_loss` is the default
+loss; `samples_step` picks, among several batches, the one planned for (the
+largest) and records every batch's input sizes, which an applied plan compares
+its inputs against (`LargerInputs`).
+
+NOTE [plan's keywords]: ``forget.plan(model, *args, budget=..., **kwargs)``
+takes its own arguments (``budget``, ``loss_fn``, ``algorithm``, ``options``,
+``repeats``, ``chain``, ``split``, ``candidates``, ``samples``) by keyword,
+and hands every other keyword to the model, as `forget.checkpoint` and
+`forget.measure` do with the function they run: a Hugging Face step reads as
+it is called, ``forget.plan(model, input_ids=ids, labels=ids, budget="60%")``.
+A model keyword named like one of plan's own goes through ``samples=[{...}]``,
+whose dicts reach the model untouched; the collision is rare (no Hugging Face
+model takes any of those names), and a second spelling for every call (a
+``kwargs=`` dict) would be paid by every user to serve it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from ._targets import _Target
+
+TreeLossFn = Callable[[Any], Tensor]
+
+
+def step_loss(output: Any, loss_fn: TreeLossFn | None) -> Tensor:
+    """The scalar a step differentiates: ``loss_fn(output)``, or the default loss.
+
+    The default is ``output.loss`` when the output has one (a Hugging Face model
+    given ``labels``), the sum of a tensor output otherwise.
+
+    Raises:
+        TypeError: no ``loss_fn`` and neither applies; a loss that is not a
+            one-element floating tensor.
+    """
+    loss: object
+    if loss_fn is not None:
+        loss = loss_fn(output)
+        what = "loss_fn(output)"
+    elif isinstance(output, Tensor):
+        loss, what = output.sum(), "the sum of the output"
+    else:
+        loss = getattr(output, "loss", None)
+        what = "output.loss"
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"forget: plan differentiates loss_fn(model(...)), and without loss_fn the "
+                f"output's .loss or the sum of a tensor output; the model returned "
+                f"{type(output).__name__} with no loss tensor (a Hugging Face model computes "
+                "one when given labels=...); pass labels, or loss_fn=lambda out: ... "
+                "returning a scalar tensor"
+            )
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        got = (
+            f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, Tensor)
+            else type(loss).__name__
+        )
+        raise TypeError(
+            f"forget: {what} must be a floating tensor with one element (the loss that "
+            f"backward starts from), got {got}; reduce it, e.g. loss_fn=lambda out: "
+            "out.logits.mean()"
+        )
+    return loss
+
+
+@dataclass
+class TreeStep:
+    """One training step of ``model``: ``loss_fn(model(*args, **kwargs)).backward()``."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: TreeLossFn | None
+
+    def loss(self) -> Tensor:
+        """Run the forward and return the loss (the output is not kept)."""
+        return step_loss(self.model(*self.args, **self.kwargs), self.loss_fn)
+
+    def run(self) -> None:
+        """Run forward and backward; the output is freed before backward starts."""
+        self.loss().backward()
+
+    def target(self) -> _Target:
+        """The step as the chain planner's `_Target` is, for `untouched` and `zero_grads`."""
+        tensors = tuple(t for t in pytree.tree_leaves((self.args, self.kwargs)) if _is_tensor(t))
+        return _Target([], [self.model], tensors, "tree", self.model, None)
+
+
+def _is_tensor(value: object) -> bool:
+    return isinstance(value, Tensor)
+
+
+def input_sizes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, list[int]]:
+    """The shape of every tensor among the inputs, by its path (``[0]``, ``input_ids``).
+
+    A positional input is named by its index in brackets, a keyword one by its
+    name; a tensor inside a structure adds the path within (``past[0][1]``).
+    """
+    named = [(f"[{i}]", value) for i, value in enumerate(args)] + list(kwargs.items())
+    sizes: dict[str, list[int]] = {}
+    for name, value in named:
+        leaves, _ = pytree.tree_flatten_with_path(value)
+        for path, leaf in leaves:
+            if isinstance(leaf, Tensor):
+                sizes[name + pytree.keystr(path)] = list(leaf.shape)
+    return sizes
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def samples_step(
+    args: tuple[Any, ...], kwargs: dict[str, Any], samples: Sequence[Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any], list[dict[str, list[int]]]]:
+    """The inputs to plan for and the input sizes of every sample.
+
+    Without ``samples`` that is ``args`` and ``kwargs``. With them, each sample
+    is one batch: a dict (keyword inputs), a tuple or list (positional inputs)
+    or a tensor (the one positional input); the plan is made for the largest,
+    by the number of elements of its tensor inputs (the first of equals).
+
+    Raises:
+        TypeError: samples together with inputs; an empty or malformed list.
+    """
+    if samples is None:
+        return args, kwargs, [input_sizes(args, kwargs)]
+    if args or kwargs:
+        raise TypeError(
+            "forget: pass the step's inputs either as plan(model, *args, **kwargs) or as "
+            f"samples=[...], not both (got {len(args)} positional and "
+            f"{sorted(kwargs)} keyword inputs besides samples)"
+        )
+    if isinstance(samples, Tensor | Mapping | str) or not isinstance(samples, Sequence):
+        raise TypeError(
+            "forget: samples is a list of batches, each a dict of keyword inputs, a tuple "
+            f"of positional inputs or a tensor, got {type(samples).__name__}"
+        )
+    if not samples:
+        raise TypeError("forget: samples is empty; give at least one batch")
+    batches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    for i, sample in enumerate(samples):
+        if isinstance(sample, Tensor):
+            batches.append(((sample,), {}))
+        elif isinstance(sample, Mapping):
+            batches.append(((), dict(sample)))
+        elif isinstance(sample, tuple | list):
+            batches.append((tuple(sample), {}))
+        else:
+            raise TypeError(
+                f"forget: sample {i} is {type(sample).__name__}; a sample is a dict of "
+                "keyword inputs, a tuple of positional inputs or a tensor"
+            )
+    sizes = [input_sizes(a, k) for a, k in batches]
+    largest = max(range(len(batches)), key=lambda i: (sum(map(_numel, sizes[i].values())), -i))
+    return (*batches[largest], sizes)
+
+
+class LargerInputs:
+    """A forward pre-hook warning once when an input is larger than any planned for.
+
+    NOTE [larger inputs]: a plan's measured peak holds for the inputs it was
+    planned with. Activations grow with the input (linearly in tokens for a
+    transformer's projections, quadratically for eager attention's scores), so
+    a tensor input with more elements than any sample had may need more than
+    the budget; the hook says so once per applied plan. Inputs no larger than
+    planned are not measured either; their activations are no larger, so the
+    step stays within the budget as far as activations go, but kernels may
+    choose other workspaces for other shapes: plan with ``samples=`` covering
+    the shapes you run to have each measured.
+    """
+
+    def __init__(self, sizes: Sequence[Mapping[str, Sequence[int]]], budget_bytes: int) -> None:
+        self.max_numel: dict[str, int] = {}
+        for sample in sizes:
+            for path, shape in sample.items():
+                self.max_numel[path] = max(self.max_numel.get(path, 0), _numel(shape))
+        self.budget_bytes = budget_bytes
+        self.warned = False
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.warned or torch.compiler.is_compiling():
+            return
+        for path, shape in input_sizes(args, kwargs).items():
+            planned = self.max_numel.get(path)
+            if planned is not None and _numel(shape) > planned:
+                self.warned = True
+                warnings.warn(
+                    f"forget: input {path} has shape {tuple(shape)} ({_numel(shape):,} "
+                    f"elements), more than the {planned:,} of any input the plan was made "
+                    f"for, so the step may need more than the budget of "
+                    f"{self.budget_bytes:,} B (NOTE [larger inputs]); plan again with "
+                    "samples=[...] including a batch this large",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
