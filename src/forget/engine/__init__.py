@@ -10,6 +10,7 @@
 - `_offload`, `_regenerate`: saved tensors moved to the host, or rebuilt.
 - `_debug`: ``debug=True``'s op traces of forward and re-run (NOTE [debug trace]).
 - `_sites`: call sites learned once, then run on hooks alone (NOTE [fast path]).
+- `_slots`: what autograd holds in place of a saved tensor.
 - `_storage`: storage identity; `_in_turn`: callables run in turn;
   `_local`: per-thread state (running regions, hidden ops).
 
@@ -22,9 +23,9 @@ from ._forget import run_region as run_region
 from ._in_turn import InTurn as InTurn
 from ._regenerate import regenerating as regenerating
 from ._region import Region as Region
-from ._region import ordinal as ordinal
 from ._replay import in_recomputing as in_recomputing
 from ._sites import fast_path as fast_path
+from ._slots import ordinal as ordinal
 from ._storage import StorageKey as StorageKey
 from ._storage import storage_key as storage_key
 from ._storage import storage_of as storage_of

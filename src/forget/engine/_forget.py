@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from ..policies import Policy
-from ._region import Region, ordinal
+from ._region import Region
+from ._slots import ordinal
 
 
 def run_region(

@@ -2,7 +2,7 @@
 
 NOTE [how forget works]: the forward runs ``func`` with grad enabled under
 saved-tensor hooks whose pack keeps nothing: each tensor autograd wants to
-save is replaced by a small ``_Slot`` naming its position in the region.
+save is replaced by a small ``Slot`` naming its position in the region.
 The autograd graph is therefore the ordinary one (parameters of closures get
 gradients, ``torch.autograd.grad`` on any subset works, outputs keep their
 ``grad_fn``), but it holds no activations. The first time backward unpacks a
@@ -19,14 +19,17 @@ inner region needs them.
 
 NOTE [plain re-run]: the dispatch mode of NOTE [state tracking] costs a call
 into Python per op, most of it torch's Python dispatch itself, which any mode
-pays (figures: benchmarks/measured.md, `python benchmarks/notes.py`). A re-run needs
-it only to put back outside state, to leave running statistics alone, to replay
-a policy's kept outputs or to tell a nested region which tensors are the
-re-run's own. A region whose forward had no policy, wrote into nothing it did
-not make and started no region re-runs without it; the early stop then raises
-from the pack hook itself (the op whose inputs it packs does not run, as in
-torch's checkpoint), or, after an op that writes into an argument, at the next
-pack of a later op.
+pays (figures: benchmarks/measured.md, `python benchmarks/notes.py`), and a conv
+under a mode runs slower still. A re-run needs it only to replay a policy's kept
+outputs or to tell a nested region which tensors are the re-run's own. Outside
+state is put back without it: the values from before the forward's writes go in
+before the re-run and the values the forward left come back after it; write-only
+state (running statistics, counters), which the forward kept no copy of, is
+copied around the forward of the module that owns it (`_sites.write_only_put_back`).
+A region whose forward had no policy and started no region re-runs without a
+mode; the early stop then raises from the pack hook itself (the op whose inputs
+it packs does not run, as in torch's checkpoint), or, after an op that writes
+into an argument, at the next pack of a later op.
 
 NOTE [double backward]: when backward runs with ``create_graph=True`` the
 collected tensors keep their history from the recomputation (which ran on
@@ -76,7 +79,8 @@ from ._replay import (
     generators_replayed,
     recomputing,
 )
-from ._sites import FastTracker, Guard, Site, site_of
+from ._sites import FastTracker, Guard, Site, site_of, write_only_put_back
+from ._slots import KeptSlot, Slot, external, ordinal, region_name, saved_meta
 from ._state import (
     StateTracker,
     StopRecomputation,
@@ -86,105 +90,17 @@ from ._state import (
 )
 from ._storage import storage_key
 
-__all__ = ["Region", "ordinal"]
-
-
-def ordinal(n: int) -> str:
-    """Spell ``n`` as an English ordinal: 1st, 2nd, 3rd, 4th, 11th, 12th, 21st, 111th."""
-    teen = 10 <= n % 100 <= 20
-    suffix = "th" if teen else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
-def _external(t: torch.Tensor, key: tuple[torch.device, int]) -> bool:
-    """Whether no region running in this thread made ``t``'s memory (inputs, parameters).
-
-    ``key`` is ``t``'s storage key (`storage_key`), worked out once by the caller.
-    """
-    if not t.numel():
-        return False
-    for tracker in _packers.trackers:  # noqa: SIM110 (a loop: no generator per saved tensor)
-        if tracker.made(key):
-            return False
-    return True
-
-
-class _Slot:
-    """What autograd holds in place of a saved tensor: a region and an index."""
-
-    __slots__ = ("__weakref__", "index", "region")
-
-    def __init__(self, region: Region, index: int) -> None:
-        self.region = region
-        self.index = index
-
-    def rebuilt(self, keep_graph: bool) -> bool:
-        """Whether unpacking it (under ``create_graph`` if ``keep_graph``) re-runs the region."""
-        return True
-
-
-class _KeptSlot(_Slot):
-    """A saved tensor the region keeps: policy-kept (on the device, or offloaded) or external.
-
-    NOTE [external tensors]: a saved tensor whose memory no running region made
-    (a region input, a parameter, a view of one) is alive anyway, so keeping it costs
-    nothing and spares a recomputation; its version is checked at unpack, as
-    autograd checks the tensors it saves.
-
-    NOTE [saved identity]: such a tensor is kept as the very object autograd
-    saved, so a custom ``autograd.Function`` gets back what it saved (``saved is
-    b``), as under torch's checkpoint. Its history, if any, lies before the region
-    (no running region made it), so holding it makes no cycle through the graph,
-    as autograd's own saved inputs make none. Under ``create_graph`` it is still
-    itself: its own history carries second derivatives, so it is never rebuilt,
-    and a region that differentiates with ``create_graph`` inside its forward
-    does not re-run itself there to rebuild its inputs.
-    """
-
-    __slots__ = ("value", "version")
-
-    def __init__(
-        self,
-        region: Region,
-        index: int,
-        value: torch.Tensor | Offloaded,
-        version: int | None = None,
-    ) -> None:
-        super().__init__(region, index)
-        self.value = value
-        self.version = version
-
-    def rebuilt(self, keep_graph: bool) -> bool:
-        # A policy-kept op output is rebuilt under create_graph, for its history; an
-        # external tensor never: it is itself (NOTE [saved identity]).
-        return keep_graph and self.version is None
-
-    def get(self) -> torch.Tensor:
-        if isinstance(self.value, Offloaded):
-            self.region.prefetch_offloaded()
-            return self.value.fetch()
-        if self.version is not None and self.value._version != self.version:
-            raise ForgetError(
-                f"forget: a tensor of shape {list(self.value.shape)} that "
-                f"{_name(self.region.func)} saved for backward was modified in place after "
-                f"the forward (version {self.version} -> {self.value._version}); gradients "
-                "would be wrong. Modify it after backward, or clone it before."
-            )
-        return self.value
+__all__ = ["Region"]
 
 
 def _unpack(slot: Any) -> Any:
-    if isinstance(slot, _KeptSlot) and not slot.rebuilt(torch.is_grad_enabled()):
+    if isinstance(slot, KeptSlot) and not slot.rebuilt(torch.is_grad_enabled()):
         return slot.get()
-    if isinstance(slot, _Slot):
+    if isinstance(slot, Slot):
         # NOTE [double backward]: under create_graph even kept tensors are rebuilt, so
         # second derivatives flow through them.
         return slot.region.unpack(slot.index)
     return resolve(slot)  # a nested region's input that a re-run regenerated
-
-
-def _meta(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-    return (t.shape, t.dtype, t.device)  # a torch.Size is a tuple, and immutable
 
 
 class Region:
@@ -231,14 +147,14 @@ class Region:
         self._kept_ops: dict[int, tuple[str, Any, Any]] = {}
         self._draw_states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
-        self._offloaded: list[weakref.ref[_Slot]] = []
+        self._offloaded: list[weakref.ref[Slot]] = []
         self._prefetched = False
         self.check = check
         self.recompute_context = recompute_context
         self.preserve_rng_state = preserve_rng_state
         self.early_stop = early_stop
         self._trace = OpTrace() if debug else None  # NOTE [debug trace]
-        flat, self._spec = pytree.tree_flatten((args, kwargs))
+        flat, self._spec = _flatten(args, kwargs)
         self._tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in self._tensor_pos]
         outer = _packers.stack[-1] if _packers.stack else None
@@ -246,6 +162,9 @@ class Region:
             _packers.trackers[-1].nested = True  # NOTE [plain re-run]
         # NOTE [nesting]: inputs go through the enclosing region's pack.
         self._forward_flat: list[Any] | None = list(flat)  # dropped after the forward
+        # The forward gets the very arguments (a list it appends to is the caller's);
+        # a re-run gets them rebuilt from the leaves.
+        self._forward_args: tuple[tuple[Any, ...], dict[str, Any]] | None = (args, kwargs)
         self._flat = list(flat)
         for i in self._tensor_pos:
             if outer is None:
@@ -255,12 +174,11 @@ class Region:
             # input itself, whose history second derivatives must flow through.
             self._flat[i] = flat[i] if outer in _packers.keeping_graph else stored
         self._versions: list[int] = [t._version for t in tensors]
-        self._devices = devices_of(func, tensors)
+        self._devices: list[torch.device] = []  # NOTE [fast path]: found by run_forward
         self._rng: RNGState | None = None
-        self._autocast = AutocastState.capture(d.type for d in self._devices)
         self._default_device = default_device()
         self._meta: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
-        self._live: dict[int, weakref.ref[_Slot]] = {}
+        self._live: dict[int, weakref.ref[Slot]] = {}
         self._rebuilt: dict[int, torch.Tensor] = {}
         self._pre_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._write_only: list[torch.Tensor] = []
@@ -271,9 +189,9 @@ class Region:
         self._plain_rerun = False
 
     # -- forward -------------------------------------------------------------
-    def _pack(self, t: torch.Tensor) -> _Slot:
+    def _pack(self, t: torch.Tensor) -> Slot:
         index = len(self._meta)
-        self._meta.append(_meta(t))
+        self._meta.append(saved_meta(t))
         action = None
         tracker = self._tracker
         self._pack_positions.append(tracker.position if tracker is not None else -1)
@@ -284,20 +202,20 @@ class Region:
                 tracker.packed.add(key)  # NOTE [unneeded kept outputs]
             elif (drawn := tracker.drawn_storages.get(key)) is not None:
                 tracker.packed_draws.add(drawn)  # NOTE [kept draws]
-        slot: _Slot
-        if action is None and _external(t, key):
+        slot: Slot
+        if action is None and external(t, key):
             # NOTE [saved identity]: the very object, history and all.
-            slot = _KeptSlot(self, index, t, version=t._version)
+            slot = KeptSlot(self, index, t, version=t._version)
         elif action is None or self._tracker is None:
-            slot = _Slot(self, index)
+            slot = Slot(self, index)
         elif action is Action.OFFLOAD and t.device.type != "cpu":
             with hidden():
-                slot = _KeptSlot(self, index, offload(t))
+                slot = KeptSlot(self, index, offload(t))
             self._offloaded.append(weakref.ref(slot))
         else:
             if action is Action.OFFLOAD:
                 warn_cpu_once()
-            slot = _KeptSlot(self, index, detached(t))
+            slot = KeptSlot(self, index, detached(t))
         self._live[index] = weakref.ref(slot)
         return slot
 
@@ -308,7 +226,7 @@ class Region:
         self._prefetched = True
         for ref in self._offloaded:
             slot = ref()
-            if slot is not None and isinstance(slot, _KeptSlot):
+            if slot is not None and isinstance(slot, KeptSlot):
                 value = slot.value
                 if isinstance(value, Offloaded):
                     value.prefetch()
@@ -319,19 +237,28 @@ class Region:
         if flat is None:
             raise RuntimeError("forget: a Region runs its forward once.")
         self._forward_flat = None
+        assert self._forward_args is not None
+        args, kwargs = self._forward_args
+        self._forward_args = None
+        exact = self.policy is not None or self._trace is not None
+        site = None if exact else site_of(self.func)
+        guard = Guard(site, self.func, flat) if site is not None and site.fast else None
+        if guard is not None and not guard.matches:
+            assert site is not None
+            site.fast = guard = None  # the training flags changed: learn again
+        if guard is not None:
+            self._devices = guard.devices
+        else:
+            self._devices = devices_of(self.func, [flat[i] for i in self._tensor_pos])
+        self._autocast = AutocastState.capture(d.type for d in self._devices)
         # NOTE [re-run in the forward]: a grad inside the forward may re-run the
         # region midway; it replays the draws from here, as the backward's re-run will.
         rng = RNGState.capture(self._devices) if self.preserve_rng_state else None
         self._rng = rng
-        exact = self.policy is not None or self._trace is not None
-        site = None if exact else site_of(self.func)
-        if site is not None and site.fast:
-            guard = Guard(site, self.func, flat)
-            if guard.matches:
-                return self._run_fast(site, guard, flat)
-            site.fast = None  # the training flags changed: learn again
+        if guard is not None:
+            assert site is not None
+            return self._run_fast(site, guard, flat, args, kwargs)
         tracker = StateTracker(decide=self.policy.decide if self.policy is not None else None)
-        args, kwargs = pytree.tree_unflatten(flat, self._spec)
         self._tracker = tracker
         _packers.stack.append(self._pack)
         _packers.trackers.append(tracker)
@@ -355,13 +282,14 @@ class Region:
         self._generators = tracker.generators
         self._writers = frozenset(tracker.writers)
         # NOTE [plain re-run]
-        self._plain_rerun = self.policy is None and not tracker.touched_state and not tracker.nested
+        self._plain_rerun = self.policy is None and not tracker.nested
         last = self._pack_positions[-1] if self._pack_positions else None
         tracker.drop_unneeded_kept(stop=_stop_position(last, self._writers))
         self._kept_ops = offload_kept(tracker.kept)
         self._draw_states = tracker.draw_states
         # Values before the forward's first write, so the re-run starts where it did.
-        self._write_only = tracker.split_write_only()  # NOTE [write-only state]
+        # NOTE [write-only state]; running statistics are written only, too.
+        self._write_only = tracker.split_write_only() + tracker.statistics
         self._pre_forward = tracker.snapshots
         self._versions = [flat[i]._version for i in self._tensor_pos]
         if site is not None and site.fast is None:
@@ -370,17 +298,24 @@ class Region:
                 flat,
                 eligible=not tracker.generators,
                 written=[t for t, _ in self._pre_forward],
-                write_only=self._write_only + tracker.statistics,
+                write_only=self._write_only,
+                drew=tracker.used_rng,
                 meta=self._meta,
                 positions=self._pack_positions,
                 writers=self._writers,
             )
         return out
 
-    def _run_fast(self, site: Site, guard: Guard, flat: list[Any]) -> Any:
+    def _run_fast(
+        self,
+        site: Site,
+        guard: Guard,
+        flat: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         """The forward with saved-tensor hooks only, under a guard (NOTE [fast path])."""
         fast = FastTracker(guard.external)
-        args, kwargs = pytree.tree_unflatten(flat, self._spec)
         _packers.stack.append(self._pack)
         _packers.trackers.append(fast)
         try:
@@ -390,9 +325,10 @@ class Region:
             _packers.stack.pop()
             _packers.trackers.pop()
         mark_outputs(out)
-        self._pre_forward, self._write_only = guard.written(_name(self.func))
-        # Write-only state (running statistics) is left alone by a tracker's re-run.
-        self._plain_rerun = not fast.nested and not self._write_only
+        self._pre_forward, self._write_only = guard.written(region_name(self.func))
+        self._plain_rerun = not fast.nested
+        if self._rng is not None and not site.drew and self._rng.unchanged():
+            self._rng = None  # as the exact path keeps none for a region that drew none
         if self._meta == site.meta:
             self._pack_positions, self._writers = list(site.positions), site.writers
         else:
@@ -418,7 +354,7 @@ class Region:
         # Each input slot of an enclosing region is unpacked once per re-run.
         flat = [_unpack(v) for v in self._flat]
         self._check_versions(flat)
-        args, kwargs = pytree.tree_unflatten(flat, self._spec)
+        args, kwargs = _unflatten(flat, self._spec)
         count = 0
         # NOTE [policy replay]: kept op outputs stand in for their ops, except under
         # create_graph, where the ops run again so their outputs carry history.
@@ -441,7 +377,7 @@ class Region:
         # sight) and, under create_graph, the region holds that graph through the
         # rebuilt tensors; so the hook reaches the region only through a weak reference.
         region_ref = weakref.ref(self)
-        meta, check, name = self._meta, self.check, _name(self.func)
+        meta, check, name = self._meta, self.check, region_name(self.func)
         writers, early_stop = self._writers, self.early_stop
 
         def collect(t: torch.Tensor) -> torch.Tensor:
@@ -465,7 +401,7 @@ class Region:
                     "same ops both times (is it branching on global state or on "
                     "in_recomputing()?)."
                 )
-            if check and _meta(t) != meta[index]:
+            if check and saved_meta(t) != meta[index]:
                 shape, dtype, device = meta[index]
                 raise RecomputationMismatchError(
                     f"forget: the {ordinal(index + 1)} tensor saved by the recomputation of "
@@ -509,12 +445,18 @@ class Region:
         external = [
             slot
             for ref in self._live.values()
-            if isinstance(slot := ref(), _KeptSlot) and slot.version is not None
+            if isinstance(slot := ref(), KeptSlot) and slot.version is not None
         ]
         versions_before = [
             slot.value._version for slot in external if isinstance(slot.value, torch.Tensor)
         ]
         after_forward = current_values(self._pre_forward)
+        # NOTE [plain re-run]: write-only state a re-run without a tracker updates again.
+        put_back = (
+            write_only_put_back(self.func, flat, self._write_only)
+            if tracker is None and self._write_only
+            else nullcontext()
+        )
         restore(self._pre_forward)
         rng = self._rng.replayed() if self._rng is not None else nullcontext()
         generators = generators_replayed(self._generators)
@@ -534,7 +476,7 @@ class Region:
                 default_device_replayed(self._default_device),
                 extra,
                 torch.autograd.graph.saved_tensors_hooks(collect, resolve),
-                tracker if tracker is not None else nullcontext(),
+                tracker if tracker is not None else put_back,
                 self._trace.recording_rerun() if self._trace is not None else nullcontext(),
             ):
                 self.func(*args, **kwargs)
@@ -559,7 +501,7 @@ class Region:
         whole = not early_stop and self._tracker is None
         if needed or (whole and count != len(self._meta)):
             mismatch = RecomputationMismatchError(
-                f"forget: the recomputation of {_name(self.func)} saved {count} tensors for "
+                f"forget: the recomputation of {region_name(self.func)} saved {count} tensors for "
                 f"backward, its forward saved {len(self._meta)}; the function must run the same "
                 "ops both times."
             )
@@ -570,17 +512,36 @@ class Region:
 
     def _check_versions(self, flat: list[Any]) -> None:
         for k, i in enumerate(self._tensor_pos):
-            if isinstance(self._flat[i], _Slot):
+            if isinstance(self._flat[i], Slot):
                 continue  # rebuilt by the enclosing region, which checks its own inputs
             t = flat[i]
             if t._version != self._versions[k]:
                 raise ForgetError(
-                    f"forget: the {ordinal(k + 1)} tensor input of {_name(self.func)} was "
+                    f"forget: the {ordinal(k + 1)} tensor input of {region_name(self.func)} was "
                     f"modified in place after the forward (version {self._versions[k]} -> "
                     f"{t._version}); the recomputation would see other values and give wrong "
                     "gradients. Clone the tensor before modifying it, or modify it after "
                     "backward."
                 )
+
+
+# Argument types that are leaves of a pytree (NOTE [fast path]: no flattening cost).
+_LEAVES = (torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None))
+
+
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten((args, kwargs))``, or ``(list(args), None)`` when every
+    argument is a plain leaf and there are no keyword arguments (the common call)."""
+    if not kwargs and all(type(a) in _LEAVES for a in args):
+        return list(args), None
+    return pytree.tree_flatten((args, kwargs))
+
+
+def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if spec is None:
+        return tuple(flat), {}
+    args, kwargs = pytree.tree_unflatten(flat, spec)
+    return args, kwargs
 
 
 def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
@@ -601,8 +562,3 @@ def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
     if pending is None:
         return None
     return pending + 1 if pending in writers else pending
-
-
-def _name(func: Any) -> str:
-    name = getattr(func, "__qualname__", None) or type(func).__name__
-    return f"'{name}'"

@@ -23,6 +23,7 @@ __all__ = [
     "RNGState",
     "default_device",
     "default_device_replayed",
+    "devices_among",
     "devices_of",
     "generators_replayed",
     "in_recomputing",
@@ -73,26 +74,27 @@ def devices_of(func: Callable[..., Any], tensors: Iterable[torch.Tensor]) -> lis
 
     Looks at the input tensors and at the tensors of modules reachable from
     ``func`` (the module itself, a bound method's owner, a
-    ``functools.partial``'s arguments, closure cells). On CUDA the current
-    device is added when CUDA is initialised, as kernels launched by the
-    region run there.
+    ``functools.partial``'s arguments, closure cells); see `devices_among`.
     """
-    found: dict[tuple[str, int | None], torch.device] = {}
+    found = list(tensors)
+    for module in modules_reachable(func):
+        for t in module.parameters():
+            found.append(t)
+            break
+        for b in module.buffers():
+            found.append(b)
+            break
+    return devices_among(found)
 
-    def add(t: torch.Tensor) -> None:
+
+def devices_among(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
+    """The non-CPU devices of ``tensors``, and on CUDA the current device when CUDA
+    is initialised, as kernels launched by the region run there."""
+    found: dict[tuple[str, int | None], torch.device] = {}
+    for t in tensors:
         d = t.device
         if d.type not in ("cpu", "meta"):
             found.setdefault((d.type, d.index), d)
-
-    for t in tensors:
-        add(t)
-    for module in modules_reachable(func):
-        for t in module.parameters():
-            add(t)
-            break
-        for t in module.buffers():
-            add(t)
-            break
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         i = torch.cuda.current_device()
         found.setdefault(("cuda", i), torch.device("cuda", i))
@@ -147,6 +149,14 @@ class RNGState:
             index = d.index if d.index is not None else mod.current_device()
             states.append((torch.device(d.type, index), mod.get_rng_state(index)))
         return cls(torch.get_rng_state(), tuple(states))
+
+    def unchanged(self) -> bool:
+        """Whether every generator is still in this state (nothing drew since)."""
+        if not torch.equal(torch.get_rng_state(), self.cpu):
+            return False
+        return all(
+            torch.equal(_device_module(d.type).get_rng_state(d.index), s) for d, s in self.devices
+        )
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:

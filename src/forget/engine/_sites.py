@@ -59,7 +59,8 @@ import torch
 
 from ..errors import ForgetError
 from ._local import hidden
-from ._replay import modules_reachable
+from ._replay import devices_among, modules_reachable
+from ._state import current_values, restore
 from ._storage import StorageKey, storage_key
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "Site",
     "fast_path",
     "site_of",
+    "write_only_put_back",
 ]
 
 #: Buffers up to this size are copied before every fast forward (NOTE [fast path]).
@@ -115,14 +117,16 @@ class Site:
         positions: the op position pending at each of its packs.
         writers: positions of its ops that write into an argument.
         written: buffers it read and wrote, copied before every fast forward.
-        write_only: buffers it only wrote (NOTE [write-only state]), put back after
-            the re-run and copied never.
+        write_only: buffers it only wrote (NOTE [write-only state], running
+            statistics), copied at the re-run only, to be put back after it.
+        drew: whether it drew random numbers.
     """
 
-    __slots__ = ("fast", "flags", "meta", "positions", "write_only", "writers", "written")
+    __slots__ = ("drew", "fast", "flags", "meta", "positions", "write_only", "writers", "written")
 
     def __init__(self) -> None:
         self.fast: bool | None = None
+        self.drew = True
         self.flags: tuple[bool, ...] = ()
         self.meta: list[Any] = []
         self.positions: list[int] = []
@@ -141,6 +145,7 @@ class Site:
         meta: list[Any],
         positions: list[int],
         writers: frozenset[int],
+        drew: bool,
     ) -> None:
         """Learn from an exact forward: fast only if every write was into a buffer."""
         subs = _submodules(func, flat)
@@ -152,6 +157,7 @@ class Site:
             return
         self.flags = tuple(m.training for m in subs)
         self.meta, self.positions, self.writers = list(meta), list(positions), writers
+        self.drew = drew
         self.written = _TensorSet(b for b in read_written if b is not None)
         self.write_only = _TensorSet(b for b in only_written if b is not None)
 
@@ -234,9 +240,19 @@ class Guard:
         matches: whether the reached modules' ``training`` flags are the learned
             ones; if not, nothing else is set up and the call runs the exact path.
         external: storage keys of every watched tensor.
+        devices: their devices other than the CPU (`_replay.devices_among`).
     """
 
-    __slots__ = ("_copies", "_kinds", "_site", "_versions", "_watched", "external", "matches")
+    __slots__ = (
+        "_copies",
+        "_kinds",
+        "_site",
+        "_versions",
+        "_watched",
+        "devices",
+        "external",
+        "matches",
+    )
 
     def __init__(self, site: Site, func: Any, flat: Sequence[Any]) -> None:
         self._site = site
@@ -275,6 +291,7 @@ class Guard:
                 if b in written or (_nbytes(b) <= SMALL_BUFFER_BYTES and b not in write_only)
             }
         self.external = {storage_key(t) for t in self._watched if t.numel()}
+        self.devices = devices_among(self._watched)
 
     def written(
         self, name: str
@@ -306,6 +323,55 @@ class Guard:
                 )
             pairs.append((t, copy))
         return pairs, write_only
+
+
+@contextmanager
+def write_only_put_back(
+    func: Any, flat: Sequence[Any], write_only: Sequence[torch.Tensor]
+) -> Iterator[None]:
+    """Put write-only state back after a re-run without a tracker updates it again.
+
+    NOTE [plain re-run]: a batch norm in training updates its running statistics
+    and counter again in a re-run; the values from before the re-run come back.
+    Each tensor is copied when the module that owns it starts its forward and
+    put back when that forward ends (a forward hook that runs on an early stop
+    too), so a copy lives only while its module runs, not over the whole re-run
+    whose peak it would raise; tensors no reached module owns are copied for the
+    whole re-run.
+    """
+    owned: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    modules: dict[int, torch.nn.Module] = {}
+    left = {id(t): t for t in write_only}
+    for sub in _submodules(func, flat):
+        for b in sub._buffers.values():
+            if b is not None and id(b) in left:
+                owned.setdefault(id(sub), []).append((b, b))
+                modules[id(sub)] = sub
+                del left[id(b)]
+    stash: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def before(module: torch.nn.Module, args: Any) -> None:
+        with hidden():
+            stash.append(current_values(owned[id(module)]))
+
+    def after(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if stash:
+            restore(stash.pop())
+
+    handles = []
+    for module in modules.values():
+        handles.append(module.register_forward_pre_hook(before))
+        handles.append(module.register_forward_hook(after, always_call=True))
+    with hidden():
+        whole = current_values([(t, t) for t in left.values()])
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while stash:
+            restore(stash.pop())
+        restore(whole)
 
 
 def _equal(copy: torch.Tensor, t: torch.Tensor) -> bool:

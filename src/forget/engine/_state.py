@@ -18,10 +18,14 @@ kept only for regions that need it.
 
 NOTE [write-only state]: a counter such as BatchNorm's ``num_batches_tracked``
 is only ever updated in place (``add_``), never read by another op of the
-region. The re-run needs neither its pre-forward value nor its own update:
-we skip such updates in the recomputation (the value the forward left is
-already in place) and keep no copy of it. So a region costs no byte more
-than torch's checkpoint, which updates it twice. The forward notes, for every
+region. The re-run needs neither its pre-forward value nor its own update,
+so the forward keeps no copy of it: a re-run under a tracker skips such
+updates (the value the forward left is already in place); a re-run without
+one (NOTE [plain re-run]) copies it only while the module that owns it runs,
+and puts it back. So a region holds no byte more than torch's checkpoint
+between its forward and its re-run, and torch's updates it twice. Running
+statistics of a batch norm in training are write-only too (NOTE [write-only
+statistics]). The forward notes, for every
 op, which external storages it reads (a read before the first write counts:
 ``y = x * counter; counter.add_(1)`` keeps its copy); a tensor written only
 by non-random ops whose every result is the written tensor itself, one
