@@ -308,3 +308,16 @@ def test_a_module_level_function_site_learns_once():
 def _through(lin: nn.Module, h: torch.Tensor, modes: list[object]) -> torch.Tensor:
     modes.append(_get_current_dispatch_mode())
     return lin(h).relu()
+
+
+def test_forget_sequential_segments_learn_once():
+    # Its segments are callables made per call: the site is their parts.
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)]
+    seen = [_Seen(layer) for layer in layers]
+    model = forget.ForgetSequential(seen, segments=2)
+    x = torch.randn(3, 6, requires_grad=True)
+    for _ in range(3):
+        model(x).sum().backward()
+    # Three forwards and three re-runs: only the first forward under a tracker.
+    assert seen[0].modes == ["StateTracker"] + [None] * 5

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from ..errors import ForgetError
+from ._in_turn import InTurn
 from ._local import hidden
 from ._replay import devices_among, modules_reachable
 from ._state import current_values, restore
@@ -208,6 +209,10 @@ def _site_key(func: Any, depth: int = 0) -> tuple[Any, Any]:
         return owner, ("partial", part, len(func.args), tuple(sorted(func.keywords)))
     if isinstance(func, types.MethodType):
         return func.__self__, func.__func__
+    if isinstance(func, InTurn) and func.parts:
+        # Made per call (`ForgetSequential`, a plan's regions): its parts are the site.
+        owner, part = _site_key(func.parts[0], depth + 1)
+        return owner, ("in_turn", part, tuple((id(p), type(p)) for p in func.parts))
     return func, None
 
 
