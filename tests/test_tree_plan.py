@@ -412,10 +412,10 @@ def test_samples_plan_for_the_largest_and_a_larger_input_warns_once():
     assert plan.plain_peak_bytes == alone.plain_peak_bytes  # measured on the largest
     model = plan.apply(model)
     model(**small)
-    model(**inputs)  # no larger than planned: no warning (warnings are errors here)
+    model(inputs["x"], scale=0.5)  # no larger than planned: no warning (warnings are errors)
     larger = {"x": torch.randn(33, 16, 8), "scale": 0.5}
     with pytest.warns(UserWarning, match=r"input x has shape \(33, 16, 8\)"):
-        model(**larger)
+        model(larger["x"], scale=0.5)  # positional or keyword, the input is named x
     model(**larger)  # once
     plan.remove(model)
     fresh = plan.apply(model)

@@ -17,7 +17,7 @@ from ..schedules import format_bytes
 from ._profile import _check_options
 from ._tree_apply import is_wrapped, policy_of, unwrap_all, wrap_all
 from ._tree_candidates import ROOT, first_difference
-from ._tree_step import LargerInputs
+from ._tree_step import LargerInputs, signature_of
 
 _FORMAT = "forget.tree_plan/1"
 # Where an applied plan notes what it changed, on the model's instance dict (no state).
@@ -57,8 +57,8 @@ class TreePlan:
             ``"cuda"``: ``torch.cuda.max_memory_allocated``).
         structure: ``(path, type)`` of every module of the model planned.
         input_sizes: per sample planned for, the shape of each tensor input by
-            its path (``"[0]"``, ``"['input_ids']"``); the plan was measured on
-            the largest.
+            the name of its argument of the model's forward (``"input_ids"``);
+            the plan was measured on the largest.
         option_names: the leaf options the planner could choose from.
     """
 
@@ -108,7 +108,7 @@ class TreePlan:
         for choice in set(self.choices.values()):
             policy_of(choice, self.policies)  # a missing policy raises before any change
         wrap_all(model, self.choices, self.policies)
-        hook = LargerInputs(self.input_sizes, self.budget_bytes)
+        hook = LargerInputs(self.input_sizes, self.budget_bytes, signature_of(model))
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
         model.__dict__[_APPLIED] = _Applied(tuple(self.choices), handle.id)
         return model

@@ -13,18 +13,23 @@ peak of the real step: on CPU the allocator's own events
 ``torch.cuda.max_memory_allocated``; not by the tensor-storage ledger, which
 does not see kernel workspaces (a BatchNorm conv step reads less on the ledger
 than the allocator hands out). Every assignment tried is applied and its step
-measured once: the frontier's least-memory point and the baseline that
-forgets every innermost candidate (every layer, as transformers'
-checkpointing does), whose least measured peak is the least feasible budget;
-then, from the frontier point the model predicts to fit, a search along the
-frontier (a step up after a fit, down after a miss, halving once both sides
-are known) for the point of least extra time that fits, measured. The fitting
-assignments, with those earlier budgets proposed that fit this one too (NOTE
-[monotone in the budget]), are timed side by side, and the fastest measured
-wins (`fastest_of`: the predicted fastest unless another is consistently
-faster). The chosen one is measured on the ledger too, and the plan reports
-both peaks. A returned plan has ``measured_peak_bytes <= budget_bytes``, by
-the allocator, for the inputs it was planned with.
+measured once, and the planner remembers them all. First, once: points spread
+over the frontier (all of them when it has at most `_SCAN`), from its
+least-memory end, and the baseline that forgets every innermost candidate
+(every layer, as transformers' checkpointing does); the measured peak does
+not always fall along the frontier (the model does not see, for one, that
+forgetting the last layer lowers the peak at the loss's backward), so the
+least feasible budget is the least peak measured of any assignment, not the
+frontier's first. Then, per budget, a search along the frontier from the
+point the model predicts to fit (a step up after a fit, down after a miss,
+doubling, then halving once both sides are known). Every assignment measured
+so far whose peak fits the budget is a candidate, those of earlier budgets
+included (NOTE [monotone in the budget]); the `_MAX_TIMED` of least predicted
+extra time are timed side by side, and the fastest measured wins
+(`fastest_of`: the predicted fastest unless another is consistently faster).
+The chosen one is measured on the ledger too, and the plan reports both
+peaks. A returned plan has ``measured_peak_bytes <= budget_bytes``, by the
+allocator, for the inputs it was planned with.
 """
 
 from __future__ import annotations
@@ -47,12 +52,16 @@ from ._tree_apply import applied
 from ._tree_candidates import ROOT, CandidateSpec, structure
 from ._tree_plan import TreePlan
 from ._tree_profile import profile_tree
-from ._tree_step import TreeLossFn, TreeStep, samples_step
+from ._tree_step import TreeLossFn, TreeStep, samples_step, signature_of
 
 __all__ = ["TreePlanner", "plan_tree"]
 
 # Assignments measured along the frontier for one budget, at most.
 _MAX_PROBES = 10
+# Frontier points measured once, for the least feasible budget.
+_SCAN = 8
+# Fitting assignments timed side by side, at most (those of least predicted extra time).
+_MAX_TIMED = 6
 # Byte figures are pruned in units of the plain peak over this (NOTE [tree Pareto solver]).
 _UNITS_PER_PEAK = 1 << 16
 
@@ -124,7 +133,9 @@ class TreePlanner:
             raise TypeError(f"forget: loss_fn must be callable, got {type(loss_fn).__name__}")
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"forget: repeats must be an int >= 1, got {repeats!r}")
-        step_args, step_kwargs, sizes = samples_step(tuple(args), dict(kwargs or {}), samples)
+        step_args, step_kwargs, sizes = samples_step(
+            tuple(args), dict(kwargs or {}), samples, signature_of(model)
+        )
         self.step = TreeStep(model, step_args, step_kwargs, loss_fn)
         self.policies = _check_options(options)
         self.repeats = repeats
@@ -135,9 +146,9 @@ class TreePlanner:
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
         self.frontier = P.tree_frontier(self.tree, unit_bytes=self.unit)
-        # Measured allocator peaks by assignment; NOTE [monotone in the budget]: proposals.
-        self.peaks: dict[_Key, int] = {(): self.plain_peak}
-        self.proposed: dict[_Key, dict[str, str]] = {}
+        # Every assignment measured, with its allocator peak (NOTE [tree plans measured]).
+        self.measured: dict[_Key, tuple[dict[str, str], int]] = {(): ({}, self.plain_peak)}
+        self._scanned = False
 
     # ------------------------------------------------------------ measuring
 
@@ -157,9 +168,20 @@ class TreePlanner:
     def peak(self, choices: Mapping[str, str]) -> int:
         """The allocator's peak under ``choices``, measured once per assignment."""
         key = _key(choices)
-        if key not in self.peaks:
-            self.peaks[key] = self.measure_peak(choices)
-        return self.peaks[key]
+        if key not in self.measured:
+            self.measured[key] = (dict(choices), self.measure_peak(choices))
+        return self.measured[key][1]
+
+    def least(self) -> int:
+        """The least allocator peak of any assignment measured, after the first scan."""
+        if not self._scanned:
+            self._scanned = True
+            n = len(self.frontier)
+            spread = {round(k * (n - 1) / (_SCAN - 1)) for k in range(_SCAN)}
+            for i in sorted(range(n) if n <= _SCAN else spread):
+                self.peak(self.choices_at(i))
+            self.peak(self.baseline())
+        return min(peak for _, peak in self.measured.values())
 
     def baseline(self) -> dict[str, str]:
         """Every innermost candidate forgotten (each layer, as transformers checkpoints)."""
@@ -178,18 +200,14 @@ class TreePlanner:
         visit(self.tree.root)
         return out
 
-    def _search(self, budget_bytes: int) -> list[tuple[dict[str, str], int]]:
-        """Fitting assignments found along the frontier (NOTE [tree plans measured])."""
+    def _search(self, budget_bytes: int) -> None:
+        """Measure assignments along the frontier near the budget (NOTE [tree plans measured])."""
         predicted = [peak for peak, _ in self.frontier]
         lo, hi = -1, len(predicted)  # the last index known to fit, the first known not to
         i = min(max(bisect_right(predicted, budget_bytes) - 1, 0), hi - 1)
         step = 1
-        fitting = []
         for _ in range(_MAX_PROBES):
-            choices = self.choices_at(i)
-            peak = self.peak(choices)
-            if peak <= budget_bytes:
-                fitting.append((choices, peak))
+            if self.peak(self.choices_at(i)) <= budget_bytes:
                 lo, nxt = i, i + step
             else:
                 hi, nxt = i, i - step
@@ -197,14 +215,10 @@ class TreePlanner:
             if hi - lo <= 1:
                 break
             i = nxt if lo < nxt < hi else (lo + hi) // 2
-        return fitting
 
     def _fastest(self, fitting: list[tuple[dict[str, str], int]]) -> tuple[dict[str, str], int]:
         """The fitting assignment whose step is fastest, measured (`fastest_of`)."""
-        unique: dict[_Key, tuple[dict[str, str], int]] = {}
-        for choices, peak in sorted(fitting, key=lambda cp: (self.extra_s(cp[0]), cp[1])):
-            unique.setdefault(_key(choices), (choices, peak))
-        candidates = list(unique.values())
+        candidates = sorted(fitting, key=lambda cp: (self.extra_s(cp[0]), cp[1]))[:_MAX_TIMED]
         target = self.step.target()
 
         def time(indices: Sequence[int]) -> dict[int, list[float]]:
@@ -237,9 +251,10 @@ class TreePlanner:
                 assignment tried (``min_feasible_bytes``).
         """
         budget_bytes = P.parse_budget(budget, self.plain_peak)
-        tried = [self.choices_at(0), self.baseline()]
-        peaks = [self.peak(c) for c in tried]
-        min_feasible = min(self.plain_peak, *peaks)
+        self.least()
+        if budget_bytes < self.plain_peak:
+            self._search(budget_bytes)
+        min_feasible = self.least()
         if budget_bytes < min_feasible:
             raise BudgetInfeasibleError(
                 f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
@@ -249,16 +264,10 @@ class TreePlanner:
                 budget_bytes=budget_bytes,
                 min_feasible_bytes=min_feasible,
             )
-        if budget_bytes >= self.plain_peak:
-            fitting: list[tuple[dict[str, str], int]] = [({}, self.plain_peak)]
-        else:
-            fitting = [(c, p) for c, p in zip(tried, peaks, strict=True) if p <= budget_bytes]
-            fitting += self._search(budget_bytes)
-            fitting += [
-                (c, peak) for c in self.proposed.values() if (peak := self.peak(c)) <= budget_bytes
-            ]
-            for c, _ in fitting:
-                self.proposed.setdefault(_key(c), c)
+        fitting: list[tuple[dict[str, str], int]] = [({}, self.plain_peak)]
+        if budget_bytes < self.plain_peak:
+            # NOTE [monotone in the budget]: every assignment measured so far.
+            fitting = [(c, peak) for c, peak in self.measured.values() if peak <= budget_bytes]
         best, best_peak = self._fastest(fitting)
         figures = P.tree_figures(self.tree, best)
         order = {name: i for i, name in enumerate(self._names())}

@@ -20,6 +20,7 @@ model takes any of those names), and a second spelling for every call (a
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -104,13 +105,32 @@ def _is_tensor(value: object) -> bool:
     return isinstance(value, Tensor)
 
 
-def input_sizes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, list[int]]:
-    """The shape of every tensor among the inputs, by its path (``[0]``, ``input_ids``).
+def signature_of(model: nn.Module) -> inspect.Signature | None:
+    """The signature of ``model``'s forward, to name its inputs; None if it has none."""
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
 
-    A positional input is named by its index in brackets, a keyword one by its
-    name; a tensor inside a structure adds the path within (``past[0][1]``).
+
+def input_sizes(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], signature: inspect.Signature | None = None
+) -> dict[str, list[int]]:
+    """The shape of every tensor among the inputs, by the name of its argument.
+
+    Inputs are bound to ``signature`` (the model's forward), so ``model(x)`` and
+    ``model(x=x)`` name their input alike, ``x``; a tensor inside a structure
+    adds its path within (``past[0][1]``). Without a signature, or where the
+    inputs do not bind, a positional input is named by its index (``[0]``).
     """
-    named = [(f"[{i}]", value) for i, value in enumerate(args)] + list(kwargs.items())
+    named: list[tuple[str, Any]] = []
+    if signature is not None:
+        try:
+            named = list(signature.bind(*args, **kwargs).arguments.items())
+        except TypeError:
+            named = []
+    if not named:
+        named = [(f"[{i}]", value) for i, value in enumerate(args)] + list(kwargs.items())
     sizes: dict[str, list[int]] = {}
     for name, value in named:
         leaves, _ = pytree.tree_flatten_with_path(value)
@@ -128,7 +148,10 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def samples_step(
-    args: tuple[Any, ...], kwargs: dict[str, Any], samples: Sequence[Any] | None
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    samples: Sequence[Any] | None,
+    signature: inspect.Signature | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[dict[str, list[int]]]]:
     """The inputs to plan for and the input sizes of every sample.
 
@@ -141,7 +164,7 @@ def samples_step(
         TypeError: samples together with inputs; an empty or malformed list.
     """
     if samples is None:
-        return args, kwargs, [input_sizes(args, kwargs)]
+        return args, kwargs, [input_sizes(args, kwargs, signature)]
     if args or kwargs:
         raise TypeError(
             "forget: pass the step's inputs either as plan(model, *args, **kwargs) or as "
@@ -168,7 +191,7 @@ def samples_step(
                 f"forget: sample {i} is {type(sample).__name__}; a sample is a dict of "
                 "keyword inputs, a tuple of positional inputs or a tensor"
             )
-    sizes = [input_sizes(a, k) for a, k in batches]
+    sizes = [input_sizes(a, k, signature) for a, k in batches]
     largest = max(range(len(batches)), key=lambda i: (sum(map(_numel, sizes[i].values())), -i))
     return (*batches[largest], sizes)
 
@@ -187,18 +210,24 @@ class LargerInputs:
     the shapes you run to have each measured.
     """
 
-    def __init__(self, sizes: Sequence[Mapping[str, Sequence[int]]], budget_bytes: int) -> None:
+    def __init__(
+        self,
+        sizes: Sequence[Mapping[str, Sequence[int]]],
+        budget_bytes: int,
+        signature: inspect.Signature | None,
+    ) -> None:
         self.max_numel: dict[str, int] = {}
         for sample in sizes:
             for path, shape in sample.items():
                 self.max_numel[path] = max(self.max_numel.get(path, 0), _numel(shape))
         self.budget_bytes = budget_bytes
+        self.signature = signature
         self.warned = False
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.warned or torch.compiler.is_compiling():
             return
-        for path, shape in input_sizes(args, kwargs).items():
+        for path, shape in input_sizes(args, kwargs, self.signature).items():
             planned = self.max_numel.get(path)
             if planned is not None and _numel(shape) > planned:
                 self.warned = True
