@@ -331,6 +331,45 @@ def test_a_llama_plan_is_refused_on_a_deeper_llama():
         plan.apply(deeper)
 
 
+# ------------------------------------------------------------------ figures
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * mask
+
+
+class _GatedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Gated() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full_like(x, 0.5)  # made in the step, read by every layer
+        for layer in self.layers:
+            x = layer(x, mask=mask)
+        return x
+
+
+def test_figures_charge_every_saved_storage_once():
+    # NOTE [tree figures], exact bytes (10 x 16 float32 = 640 B): each layer keeps its
+    # tanh output (mul saves it); a layer's input, the previous layer's output, is
+    # the layer's (its Linear saves it, its region would hold it); the mask every
+    # layer reads is the model's, held whatever a layer chooses; the loss is 4 B.
+    # Layer 0's input is the step's own and counts nowhere.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    root = planner.tree.root
+    assert (root.own_bytes, root.input_bytes) == (640 + 4, 0)
+    figures = [(n.name, n.own_bytes, n.input_bytes) for n in root.children]
+    assert figures == [("layers.0", 640, 0), ("layers.1", 1280, 640), ("layers.2", 1280, 640)]
+    # The base is what the plain step holds beyond: the keep-all plan predicts its peak.
+    assert forget.schedules.tree_figures(planner.tree, {}).peak_bytes == planner.plain_peak
+
+
 # ------------------------------------------------------------------ candidates
 
 
