@@ -63,8 +63,6 @@ class TreeProfile:
     """A step's candidate tree, its figures, and the plain step's measured peaks."""
 
     tree: P.Tree
-    parent: dict[str, str]
-    types: dict[str, str]
     plain_peak_bytes: int  # by the allocator (``probe``)
     plain_ledger_peak_bytes: int
     probe: str
@@ -127,9 +125,7 @@ def profile_tree(
     root = node(ROOT)
     predicted = P.tree_figures(P.Tree(root), {}).peak_bytes
     tree = P.Tree(root, base_bytes=max(0, plain_peak - predicted))
-    types = {ROOT: type(model).__name__}
-    types.update({n: type(model.get_submodule(n)).__name__ for n in names})
-    return TreeProfile(tree, parent, types, plain_peak, ledger_peak, probe)
+    return TreeProfile(tree, plain_peak, ledger_peak, probe)
 
 
 # ------------------------------------------------------------------ passes
@@ -196,7 +192,7 @@ def _attribute(
     entries: dict[str, list[Any]] = {n: [] for n in names}
     # Ledger records (held, so their ids stay theirs) of made storages taken / returned.
     taken: dict[str, dict[int, tuple[Any, int]]] = {n: {} for n in names}
-    returned: dict[str, set[int]] = {n: set() for n in names}
+    returned: dict[str, dict[int, Any]] = {n: {} for n in names}
 
     def made(value: Any) -> list[tuple[Any, int]]:
         records = ledger.records()
@@ -218,7 +214,7 @@ def _attribute(
     def post(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             ledger.exit(entries[name].pop())
-            returned[name].update(id(rec) for rec, _ in made(output))
+            returned[name].update((id(rec), rec) for rec, _ in made(output))
 
         return hook
 
