@@ -21,9 +21,10 @@ checkpoint does, under a guard that costs no per-op work:
 - *Writes.* The versions of those tensors are read before and after the
   forward. Every buffer of at most `SMALL_BUFFER_BYTES` (running statistics,
   counters), and every larger one the site has seen written, is copied before
-  the forward and compared with its copy after it: batch norm's kernels update
-  the running statistics without bumping their version, so a version alone
-  does not tell. A written one is put back before the re-run and the values the
+  the forward and compared with its copy after it (on the CPU: on a device
+  the comparison would wait for the stream): batch norm's kernels update the
+  running statistics without bumping their version, so a version alone does
+  not tell. A written one is put back before the re-run and the values the
   forward left after it, as on the exact path. So a write that only some calls
   make (an average updated every tenth step, BatchNorm switched to training)
   stays exact. A write the guard sees but cannot undo (into an argument, a
@@ -381,7 +382,14 @@ def write_only_put_back(
 
 def _equal(copy: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether a buffer still holds its copied value (batch norm's kernels update the
-    running statistics without bumping their version)."""
+    running statistics without bumping their version).
+
+    Only on the CPU: on a device the answer would wait for the stream, every call.
+    There the version decides, and batch norms' writes are known from the learned
+    call, whose ``training`` flags the call has (`Site.flags`).
+    """
+    if t.device.type != "cpu":
+        return True
     with hidden(), torch.no_grad():
         return torch.equal(copy, t)
 
