@@ -42,7 +42,8 @@ What stays on the exact path: a policy, ``debug=True``, a site whose first call
 drew from an explicit ``generator=``, or wrote into anything but a buffer it
 reaches. What the fast path cannot see: a later call alone that draws from an
 explicit generator, writes into a tensor reached in neither way above, or
-writes into a large buffer without bumping its version.
+writes into a buffer without bumping its version where no copy is compared (a
+large one; on a device, any).
 `fast_path` (``with forget.fast_path(False):``) turns it off for such code.
 """
 
