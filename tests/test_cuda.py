@@ -83,3 +83,28 @@ def test_kept_dropout_masks_on_cuda_replay_exactly():
     y.sum().backward()
     assert torch.equal(plain, x.grad)
     assert torch.equal(after_plain, torch.rand(4, device="cuda"))
+
+
+def test_fast_path_on_cuda_matches_plain_over_steps_and_flips():
+    # NOTE [fast path]: on a device no buffer value is compared (it would wait for
+    # the stream); the learned training flags and versions decide. Dropout draws on
+    # the device RNG, BatchNorm updates statistics without bumping versions.
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32)
+    ).cuda()
+    ours = copy.deepcopy(plain)
+    for step in range(6):
+        for m in (plain, ours):
+            m.train(step not in (2, 3))
+        x = torch.randn(16, 32, device="cuda")
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.cuda.manual_seed(step)
+        plain(a).square().sum().backward()
+        torch.cuda.manual_seed(step)
+        forget.checkpoint(ours, b).square().sum().backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+        for p, q in zip(plain.parameters(), ours.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        for p, q in zip(plain.buffers(), ours.buffers(), strict=True):
+            assert torch.equal(p, q), step
