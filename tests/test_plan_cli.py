@@ -361,8 +361,8 @@ def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_pat
     assert list(lines) == [
         "optimal DP (measured peak, predicted time)",
         "uniform segments, k = 1..L (measured peak, predicted time)",
-        "store-all (plain, measured)",
         "forget-all (measured peak, predicted time)",
+        "store-all (plain, measured)",
         "our plans (measured peak, predicted time)",
         "our plans (measured peak, measured time, noisy)",
     ]

@@ -6,10 +6,13 @@ and from the public names of the other packages, never from another command.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -57,6 +60,37 @@ def require_matplotlib(flag: str) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError(plot_hint(flag)) from None
+
+
+def draw_plans(ax: Any, plain_peak_bytes: int, plans: Sequence[tuple[int, float, float]]) -> None:
+    """Finish a Pareto axis (peak MiB against step-time overhead %): plain, the plans, labels.
+
+    ``plans``: per plan, its measured peak in bytes, its predicted overhead and
+    its measured overhead, both fractions of the plain step's time. Like with
+    like: a plan is drawn where the curves are (measured peak, predicted time)
+    and again at its measured time, which carries the run's timing noise.
+    """
+    ax.plot(
+        [plain_peak_bytes / MIB], [0.0], "k^", markersize=9, label="store-all (plain, measured)"
+    )
+    ax.plot(
+        [peak / MIB for peak, _, _ in plans],
+        [100 * predicted for _, predicted, _ in plans],
+        "r*",
+        markersize=11,
+        label="our plans (measured peak, predicted time)",
+    )
+    ax.plot(
+        [peak / MIB for peak, _, _ in plans],
+        [100 * measured for _, _, measured in plans],
+        "rx",
+        markersize=7,
+        label="our plans (measured peak, measured time, noisy)",
+    )
+    ax.set_xlabel("peak memory of one step (MiB)")
+    ax.set_ylabel("step-time overhead vs plain (%): predicted, except x")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def wrote(path: Path, what: str) -> None:
@@ -134,12 +168,12 @@ def model_and_inputs(
                 f"forget: --set for {spec}: {str(exc).removeprefix('forget: ')}"
             ) from exc
     else:
-        factory = load_factory(spec)
-        torch.manual_seed(seed)
-        try:
-            model = factory()
-        except Exception as exc:  # a user's factory: report it as a usage error
-            raise ValueError(f"forget: {spec}() raised {type(exc).__name__}: {exc}") from exc
+        if ":" not in spec:
+            raise ValueError(
+                f"forget: expected a model name ({', '.join(MODEL_NAMES)}) or module:factory, "
+                f"got {spec!r}"
+            )
+        model = call_factory(spec, seed)
     generator = torch.Generator().manual_seed(seed)
     if isinstance(model, BlockModel):
         return spec, model, model.example_input(generator=generator)
@@ -151,24 +185,93 @@ def model_and_inputs(
 
 
 def load_factory(spec: str) -> Callable[[], Any]:
-    """Return the callable named by ``module:factory`` (``pkg.models:build``)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    """Return the callable named by ``module:factory`` or ``path/to/file.py:factory``.
+
+    A module is imported with the current directory searched first; a ``.py``
+    path is run as a module of its own, with its directory searched first (its
+    sibling modules import). Every failure is a one-line ``ValueError``.
+    """
+    source, sep, attr = spec.rpartition(":")
+    if not sep or not source or not attr:
         raise ValueError(
-            f"forget: expected a model name ({', '.join(MODEL_NAMES)}) or module:factory, "
-            f"got {spec!r}"
+            f"forget: expected module:factory or path/to/file.py:factory (a module or a "
+            f"Python file, a colon, then the function to call), got {spec!r}"
         )
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"forget: cannot import {module_name!r}: {exc}") from exc
-    finally:
-        sys.path.pop(0)
-    factory = getattr(module, attr, None)
+    module = _import_file(Path(source)) if source.endswith(".py") else _import_module(source)
+    if not hasattr(module, attr):
+        defined = [
+            name
+            for name, value in vars(module).items()
+            if callable(value)
+            and not name.startswith("_")
+            and getattr(value, "__module__", None) == module.__name__
+        ]
+        some = f"; it defines {', '.join(defined[:6])}" if defined else ""
+        raise ValueError(
+            f"forget: {source}:{attr} is not a callable factory: {source} has no "
+            f"attribute {attr!r}{some}"
+        )
+    factory = getattr(module, attr)
     if not callable(factory):
-        raise ValueError(f"forget: {module_name}.{attr} is not a callable factory")
+        raise ValueError(
+            f"forget: {source}:{attr} is not a callable factory (type {type(factory).__name__})"
+        )
     return factory  # type: ignore[no-any-return]
+
+
+def call_factory(spec: str, seed: int) -> Any:
+    """Call the factory ``spec`` names (`load_factory`), torch seeded by ``seed``."""
+    factory = load_factory(spec)
+    torch.manual_seed(seed)
+    try:
+        return factory()
+    except Exception as exc:  # a user's factory: report it as a usage error
+        raise ValueError(f"forget: {spec}() raised {first_line(exc)}") from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception, cut to its first line (for one-line errors)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _searched_first(folder: Path) -> Iterator[None]:
+    entry = str(folder)
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if entry in sys.path:
+            sys.path.remove(entry)
+
+
+def _import_module(name: str) -> ModuleType:
+    with _searched_first(Path.cwd()):
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:  # a user's module: report any failure as a usage error
+            raise ValueError(f"forget: cannot import {name!r}: {first_line(exc)}") from exc
+
+
+def _import_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise ValueError(f"forget: cannot import {str(path)!r}: no such file")
+    # A name of its own, so that the file neither shadows nor is shadowed by an
+    # installed module of its stem's name; re-run on every load.
+    name = f"_forget_factory_{''.join(c if c.isalnum() else '_' for c in path.stem)}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"forget: cannot import {str(path)!r}: not a Python source file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    with _searched_first(path.resolve().parent):
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # a user's file: report any failure as a usage error
+            sys.modules.pop(name, None)
+            raise ValueError(f"forget: cannot import {str(path)!r}: {first_line(exc)}") from exc
+    return module
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

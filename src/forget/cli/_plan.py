@@ -1,6 +1,8 @@
 """``forget plan``: plan models into memory budgets, measured against uniform segments.
 
-For every model and budget it prints the measured peak of the plan next to the
+``forget plan module:factory`` plans a model of the user's over its module
+tree (`._plan_tree`, NOTE [factory contract]). Without a target, for every
+reference model and budget it prints the measured peak of the plan next to the
 budget, and the step-time overhead of the plan next to that of the best uniform
 segmentation (``checkpoint_sequential``'s schedule) whose measured peak fits the
 same budget, timed side by side in one run. ``--pareto PATH`` writes the
@@ -29,11 +31,13 @@ from ..models import MODEL_NAMES, SIZES
 from ..planning import Plan, Planner, paired_overheads, run_items, time_side_by_side
 from ..policies import Policy
 from ..schedules import MIB
+from . import _plan_tree
 from ._common import (
     BUDGET_HELP,
     OPTION_GROUPS,
     Progress,
     check_budget,
+    draw_plans,
     mib,
     model_and_inputs,
     parse_option,
@@ -330,43 +334,20 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
         blocks = len(result.planner.block_sizes)
         forget_all = result.planner.on_blocks(P.forget_each_items(blocks), "forget_each")
         ax.plot(
-            [result.plain_peak_bytes / MIB],
-            [0.0],
-            "k^",
-            markersize=9,
-            label="store-all (plain, measured)",
-        )
-        ax.plot(
             [result.planner.trials.peak(forget_all) / MIB],
             [100 * forget_all.predicted_overhead_s / base],
             "kv",
             markersize=9,
             label="forget-all (measured peak, predicted time)",
         )
-        # Like with like: the plans on the curves' axes (measured peak, predicted time),
-        # and beside them their measured time, which carries the run's timing noise.
-        planned = [r.plan for r in result.rows if r.plan is not None]
-        ax.plot(
-            [p.measured_peak_bytes / MIB for p in planned],
-            [100 * p.predicted_overhead for p in planned],
-            "r*",
-            markersize=11,
-            label="our plans (measured peak, predicted time)",
+        plans = [(r.plan, r.plan_overhead) for r in result.rows if r.plan is not None]
+        draw_plans(
+            ax,
+            result.plain_peak_bytes,
+            [(p.measured_peak_bytes, p.predicted_overhead, measured) for p, measured in plans],
         )
-        measured = [r for r in result.rows if r.plan is not None]
-        ax.plot(
-            [r.plan.measured_peak_bytes / MIB for r in measured if r.plan],
-            [100 * r.plan_overhead for r in measured],
-            "rx",
-            markersize=7,
-            label="our plans (measured peak, measured time, noisy)",
-        )
-        ax.set_xlabel("peak memory of one step (MiB)")
-        ax.set_ylabel("step-time overhead vs plain (%): predicted, except x")
         split = f", {len(chain)} stages" if len(chain) != blocks else ""
         ax.set_title(f"{result.name} ({blocks} blocks{split})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.suptitle("forget plan: peak memory vs recomputation overhead")
     fig.savefig(path, dpi=120)
 
@@ -378,14 +359,40 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="forget plan",
         description=(
-            "Plan models into memory budgets with the optimal schedule; print measured peak "
-            "vs budget and the step-time overhead vs the best uniform segmentation that fits."
+            "Plan a model of yours (module:factory) over its module tree into memory "
+            "budgets, printing each plan as a tree of regions; or, with no target, plan "
+            "the reference models (chains) and print measured peak vs budget and the "
+            "step-time overhead vs the best uniform segmentation that fits."
+        ),
+    )
+    p.add_argument(
+        "target",
+        nargs="?",
+        metavar="module:factory",
+        help=(
+            "plan your model: a module (or path/to/file.py), a colon and a function that "
+            "returns (model, batch) or (model, batch, loss_fn); batch is a tuple of "
+            "positional inputs or a dict of keyword inputs"
+        ),
+    )
+    p.add_argument(
+        "--candidate",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help=(
+            "with a target: a module that may become a region, by dotted-name pattern "
+            "(fnmatch, '*' crosses dots: 'encoder.layers.*'); replaces the default "
+            "candidates (repeatable)"
         ),
     )
     p.add_argument(
         "--model",
         default="all",
-        help=f"'all', one of {', '.join(MODEL_NAMES)}, or module:factory (default all)",
+        help=(
+            f"'all', one of {', '.join(MODEL_NAMES)}, or module:factory returning a chain "
+            "(with --input-shape; default all)"
+        ),
     )
     p.add_argument("--size", choices=SIZES, default="quick", help="reference sizes (quick)")
     p.add_argument("--input-shape", help="input shape for a module:factory model, e.g. 64,512")
@@ -428,10 +435,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed steps per schedule (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of models and inputs (default 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--pareto", type=Path, metavar="PATH", help="write a Pareto PNG")
+    p.add_argument(
+        "--pareto", "--plot", type=Path, metavar="PATH", help="write a Pareto PNG (peak vs time)"
+    )
     p.add_argument("--show", action="store_true", help="also print each plan's stage table")
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
     return p
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """Refuse options of one mode given to the other: a chain's to a target, and back."""
+    if args.target is None:
+        if args.candidate:
+            raise ValueError(
+                "forget: --candidate picks the regions of a module:factory target's tree; "
+                "give the target (forget plan module:factory --candidate ...)"
+            )
+        return
+    chain_only = {
+        "--model": args.model != "all",
+        "--size": args.size != "quick",
+        "--input-shape": args.input_shape is not None,
+        "--set": bool(args.set),
+        "--split": args.split,
+        "--algorithm": args.algorithm != "optimal",
+    }
+    given = [flag for flag, on in chain_only.items() if on]
+    if given:
+        raise ValueError(
+            f"forget: {', '.join(given)} plan the reference models and chains of blocks; "
+            f"{args.target} is planned over its module tree, with its own batch: leave "
+            f"{'it' if len(given) == 1 else 'them'} out"
+        )
 
 
 def _budget_done(progress: Progress, name: str, label: str) -> None:
@@ -447,6 +482,7 @@ def main(argv: Sequence[str]) -> int:
     specs = list(MODEL_NAMES) if args.model == "all" else [args.model]
     labels = [b.strip() for b in args.budgets.split(",") if b.strip()]
     try:
+        _check_mode(args)
         P.get_algorithm(args.algorithm)
         if args.repeats < 1:
             raise ValueError(f"forget: --repeats must be at least 1, got {args.repeats}")
@@ -464,11 +500,14 @@ def main(argv: Sequence[str]) -> int:
             require_matplotlib("--pareto")
         settings = dict(parse_setting(text) for text in args.set)
         built = [
-            model_and_inputs(s, args.size, args.seed, args.input_shape, settings) for s in specs
+            model_and_inputs(s, args.size, args.seed, args.input_shape, settings)
+            for s in (specs if args.target is None else [])
         ]
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.target is not None:
+        return _plan_tree.run(args.target, args, labels, options)
     # One unit per model profiled and per budget planned and timed.
     progress = Progress(
         len(built) * (1 + len(labels)), enabled=not args.quiet, desc="forget plan", unit="task"

@@ -1,0 +1,395 @@
+"""``forget plan module:factory``: plan a user's own model over its module tree.
+
+NOTE [factory contract]: the factory is called with no arguments (torch
+seeded by ``--seed``) and returns ``(model, batch)`` or ``(model, batch,
+loss_fn)``. ``model`` is any ``nn.Module``, in the mode it trains in;
+``batch`` is what one step feeds it: a tuple of positional inputs
+(``model(*batch)``), a dict of keyword inputs (``model(**batch)``), or one
+tensor (``model(batch)``); ``loss_fn(output)`` returns the scalar loss, and
+without it the loss is ``output.loss`` (a Hugging Face model given
+``labels``) or the sum of a tensor output, as for `forget.plan`. A tuple and
+a dict cover every call: positional inputs that need a keyword beside them
+go in the dict by their names. Anything else is refused in one line before
+any work.
+
+The command profiles the step once (`forget.planning.TreePlanner`), plans
+every budget of ``--budgets`` (smallest first: NOTE [monotone in the budget]),
+times each plan's step beside the plain one (NOTE [paired rounds]), prints
+each plan's tree (`forget.TreePlan`'s own text) and a table of the budgets,
+and writes ``--json`` and the Pareto PNG (``--pareto``/``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import BudgetInfeasibleError
+from ..memory import frozen_heap
+from ..planning import TreePlan, TreePlanner, time_calls, untouched, zero_grads
+from ..policies import Policy
+from ..schedules import MIB
+from ._common import Progress, call_factory, draw_plans, resolve_budget, wrote
+
+_CONTRACT = (
+    "return (model, batch) or (model, batch, loss_fn): an nn.Module, a tuple of "
+    "positional inputs or a dict of keyword inputs (or one tensor), and optionally "
+    "output -> scalar loss"
+)
+
+
+@dataclass(frozen=True)
+class UserStep:
+    """What a factory returned, checked (NOTE [factory contract])."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], Tensor] | None
+
+
+@dataclass
+class TreeBudget:
+    """One budget: its plan (None: below the least feasible) and measured overhead."""
+
+    label: str
+    budget_bytes: int
+    plan: TreePlan | None = None
+    overhead: float = 0.0
+
+
+def run(
+    spec: str,
+    args: argparse.Namespace,
+    labels: Sequence[str],
+    options: Mapping[str, Policy],
+) -> int:
+    """Plan ``spec``'s model for ``labels``; print, write; 0, or 2 when nothing was planned."""
+    try:
+        step = load_step(spec, args.seed)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    progress = Progress(2 + len(labels), enabled=not args.quiet, desc="forget plan", unit="task")
+    try:
+        with frozen_heap():  # NOTE [frozen heap] in forget._measure
+            planner = TreePlanner(
+                step.model,
+                step.args,
+                step.kwargs,
+                loss_fn=step.loss_fn,
+                candidates=args.candidate or None,
+                options=options or None,
+                repeats=args.repeats,
+            )
+            progress.update("profiled")
+            rows = plan_budgets(planner, labels, lambda label: progress.update(label))
+            # NOTE [paired rounds], over twice the rounds a selection takes, as for chains.
+            plain_s, overheads = time_plans(
+                planner, {r.label: r.plan for r in rows if r.plan is not None}, 2 * args.repeats
+            )
+            for row in rows:
+                row.overhead = overheads.get(row.label, 0.0)
+            progress.update("timed")
+    except (TypeError, ValueError) as exc:
+        if not str(exc).startswith("forget:"):
+            raise
+        print(exc, file=sys.stderr)  # the step the factory gave is no step forget can plan
+        return 2
+    finally:
+        progress.close()
+    least = planner.least()
+    if not args.quiet:
+        print(
+            f"forget plan {spec}: {type(step.model).__name__} over its module tree, "
+            f"{len(planner.tree) - 1} candidate modules; plain step {plain_s * 1e3:.3f} ms, "
+            f"peak {planner.plain_peak:,} B by the allocator ({planner.profile.probe}); "
+            f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        )
+        for name, policy in options.items():
+            print(f"option {name}: {policy}")
+    for row in rows:
+        print(f"\n{spec} @ {row.label}:")
+        if row.plan is None:
+            print(
+                f"infeasible: the budget {row.budget_bytes:,} B is below the least feasible "
+                f"one, {least:,} B; --budgets min plans at it"
+            )
+        else:
+            print(row.plan)
+    print()
+    print(format_tree_table(rows, plain_s))
+    if not args.quiet:
+        print(
+            "peak: the allocator's peak of one training step under the plan, always <= budget; "
+            "expected: the re-runs the plan adds, from the profile, over the plain step's "
+            "measured time; measured: step time vs plain, side by side, median of paired rounds."
+        )
+    if args.json is not None:
+        payload = tree_json(spec, step, planner, rows, plain_s)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        wrote(args.json, "the plans (TreePlan.from_dict reads each) and the figures as JSON")
+    if args.pareto is not None:
+        write_tree_pareto(spec, planner, rows, plain_s, args.pareto)
+        wrote(args.pareto, "peak memory against step-time overhead for this model")
+    if all(row.plan is None for row in rows):
+        print(
+            f"forget plan: no budget of {spec} could be planned: each lies below the smallest "
+            f"feasible one, {least:,} B (plain peak {planner.plain_peak:,} B); --budgets min "
+            "plans at it",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+# ------------------------------------------------------------------ the factory
+
+
+def load_step(spec: str, seed: int) -> UserStep:
+    """Call the factory ``spec`` names and check what it returned (NOTE [factory contract]).
+
+    Raises:
+        ValueError: one line: ``spec`` names no callable, the factory raised, or
+            it returned something else than the contract's tuple.
+    """
+    return check_factory_output(spec, call_factory(spec, seed))
+
+
+def check_factory_output(spec: str, out: object) -> UserStep:
+    """Read ``(model, batch[, loss_fn])`` (NOTE [factory contract]); a one-line ValueError else."""
+    if isinstance(out, nn.Module):
+        raise ValueError(
+            f"forget: {spec}() returned only the model ({type(out).__name__}); {_CONTRACT} "
+            "(a chain with a random input: forget plan --model module:factory --input-shape ...)"
+        )
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise ValueError(f"forget: {spec}() must {_CONTRACT}; it returned {_describe(out)}")
+    model, batch = out[0], out[1]
+    loss_fn = out[2] if len(out) == 3 else None
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"forget: {spec}() returned a model of type {type(model).__name__}, not an "
+            f"nn.Module; {_CONTRACT}"
+        )
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = {}
+    if isinstance(batch, Tensor):
+        args = (batch,)
+    elif isinstance(batch, tuple):
+        args = batch
+    elif isinstance(batch, Mapping) and all(isinstance(k, str) for k in batch):
+        kwargs = dict(batch)
+    else:
+        raise ValueError(
+            f"forget: {spec}() returned a batch of type {type(batch).__name__}; the batch is "
+            "a tuple of positional inputs (model(*batch)), a dict of keyword inputs with "
+            "str keys (model(**batch)), or one tensor"
+            + (": make the list a tuple" if isinstance(batch, list) else "")
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(
+            f"forget: {spec}() returned a loss_fn of type {type(loss_fn).__name__}; the third "
+            "item is a callable, output -> scalar loss (or None, or leave it out)"
+        )
+    return UserStep(model, args, kwargs, loss_fn)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, tuple):
+        items = ", ".join(type(v).__name__ for v in value)
+        return f"a tuple of {len(value)} ({items})"
+    return f"a {type(value).__name__}"
+
+
+# ------------------------------------------------------------------ planning and timing
+
+
+def plan_budgets(
+    planner: TreePlanner, labels: Sequence[str], done: Callable[[str], None]
+) -> list[TreeBudget]:
+    """Plan every budget, smallest first (NOTE [monotone in the budget]), in ``labels``' order."""
+    least = planner.least()
+    rows = [TreeBudget(label, resolve_budget(label, planner.plain_peak, least)) for label in labels]
+    for row in sorted(rows, key=lambda row: row.budget_bytes):
+        with contextlib.suppress(BudgetInfeasibleError):  # row.plan stays None
+            row.plan = planner.plan(row.budget_bytes)
+        done(row.label)
+    return rows
+
+
+def time_plans(
+    planner: TreePlanner, plans: Mapping[str, TreePlan], rounds: int
+) -> tuple[float, dict[str, float]]:
+    """The plain step's median seconds, and each plan's median overhead over it.
+
+    NOTE [paired rounds] (`forget.planning.paired_overheads`): the plain step
+    runs in every round beside the plans, and a plan's overhead in a round is
+    its time over plain's in that round, minus one. Plans are applied and
+    removed between steps, untimed (``prepare``); the model is left as it was.
+    """
+    step = planner.step
+    model, target = step.model, step.target()
+    calls: dict[str | None, Callable[[], object]] = {None: step.run}
+    calls.update(dict.fromkeys(plans, step.run))
+    applied: list[str] = []
+
+    def prepare(key: str | None) -> None:
+        zero_grads(target)
+        if applied and applied[0] != key:
+            plans[applied.pop()].remove(model)
+        if key is not None and not applied:
+            plans[key].apply(model)
+            applied.append(key)
+
+    with untouched(target):
+        try:
+            times = time_calls(calls, rounds, prepare=prepare)
+        finally:
+            if applied:
+                plans[applied.pop()].remove(model)
+    plain = times.pop(None)
+    overheads = {
+        str(key): statistics.median(t / b - 1 for t, b in zip(ts, plain, strict=True))
+        for key, ts in times.items()
+    }
+    return statistics.median(plain), overheads
+
+
+# ------------------------------------------------------------------ output
+
+
+def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
+    """The budgets as one aligned table: bytes, peak over budget, expected and measured time."""
+    header = (
+        "budget",
+        "budget B",
+        "peak B",
+        "peak/budget",
+        "expected +ms",
+        "expected +%",
+        "measured +%",
+        "not kept",
+    )
+    cells: list[tuple[str, ...]] = []
+    for row in rows:
+        plan = row.plan
+        if plan is None:
+            cells.append((row.label, f"{row.budget_bytes:,}", "infeasible", *[""] * 5))
+            continue
+        cells.append(
+            (
+                row.label,
+                f"{row.budget_bytes:,}",
+                f"{plan.measured_peak_bytes:,}",
+                f"{plan.measured_peak_bytes / row.budget_bytes:.3f}",
+                f"{plan.predicted_extra_s * 1e3:.3f}",
+                f"{100 * plan.predicted_extra_s / plain_s:+.1f}%",
+                f"{100 * row.overhead:+.1f}%",
+                f"{len(plan.choices)} of {len(plan.tree) - 1}",
+            )
+        )
+    widths = [max(len(c) for c in col) for col in zip(header, *cells, strict=True)]
+
+    def line(row: Sequence[str]) -> str:
+        first = f"{row[0]:<{widths[0]}}"
+        rest = [f"{c:>{w}}" for c, w in zip(row[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest]).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def tree_json(
+    spec: str, step: UserStep, planner: TreePlanner, rows: Sequence[TreeBudget], plain_s: float
+) -> dict[str, Any]:
+    """The run as JSON: each budget's plan (`TreePlan.to_dict`) and every assignment measured."""
+    budgets: list[dict[str, Any]] = []
+    for row in rows:
+        entry: dict[str, Any] = {"budget": row.label, "budget_bytes": row.budget_bytes}
+        if row.plan is None:
+            entry.update(infeasible=True, min_feasible_bytes=planner.least())
+        else:
+            entry.update(measured_overhead=row.overhead, plan=row.plan.to_dict())
+        budgets.append(entry)
+    return {
+        "model": spec,
+        "type": type(step.model).__name__,
+        "probe": planner.profile.probe,
+        "plain_peak_bytes": planner.plain_peak,
+        "plain_step_s": plain_s,
+        "min_feasible_bytes": planner.least(),
+        "candidates": len(planner.tree) - 1,
+        "budgets": budgets,
+        "measured": [
+            {"choices": choices, "peak_bytes": peak, "predicted_extra_s": planner.extra_s(choices)}
+            for choices, peak in planner.measured.values()
+        ],
+    }
+
+
+def write_tree_pareto(
+    spec: str, planner: TreePlanner, rows: Sequence[TreeBudget], plain_s: float, path: Path
+) -> None:
+    """Write a PNG: the allocator's peak against step-time overhead, for this model.
+
+    Every assignment the planner measured is a dot (its allocator peak, its
+    predicted re-runs over the plain step's measured time), the least of them
+    joined into the measured trade-off curve; the baseline that forgets every
+    innermost candidate, plain, and the plans as in the chain plot (`draw_plans`).
+    """
+    from matplotlib.figure import Figure  # lazy: an optional extra
+
+    fig = Figure(figsize=(6.4, 4.8), layout="constrained")
+    ax = fig.subplots()
+    points = sorted(
+        (peak / MIB, 100 * planner.extra_s(choices) / plain_s)
+        for choices, peak in planner.measured.values()
+    )
+    frontier: list[tuple[float, float]] = []
+    for x, y in points:  # by peak rising: keep a point only if it is faster than every lower one
+        if not frontier or y < frontier[-1][1]:
+            frontier.append((x, y))
+    ax.plot(
+        [x for x, _ in points],
+        [y for _, y in points],
+        "o",
+        color="tab:blue",
+        alpha=0.4,
+        markersize=4,
+        label="assignments measured (allocator peak, predicted time)",
+    )
+    ax.plot(
+        [x for x, _ in frontier],
+        [y for _, y in frontier],
+        "-",
+        color="tab:blue",
+        label="least time at each peak, of those measured",
+    )
+    baseline = planner.baseline()
+    ax.plot(
+        [planner.peak(baseline) / MIB],
+        [100 * planner.extra_s(baseline) / plain_s],
+        "kv",
+        markersize=9,
+        label="every innermost candidate forgotten (measured peak, predicted time)",
+    )
+    plans = [(r.plan, r.overhead) for r in rows if r.plan is not None]
+    draw_plans(
+        ax,
+        planner.plain_peak,
+        [(p.measured_peak_bytes, p.predicted_extra_s / plain_s, over) for p, over in plans],
+    )
+    model = type(planner.step.model).__name__
+    ax.set_title(f"{spec} ({model}, {len(planner.tree) - 1} candidate modules)")
+    fig.suptitle("forget plan: allocator peak vs recomputation overhead")
+    fig.savefig(path, dpi=120)

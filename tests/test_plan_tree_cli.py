@@ -1,0 +1,253 @@
+"""``forget plan module:factory``: a user's model planned over its module tree, from the CLI."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+import forget
+from forget.cli import main as cli_main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+# A nested encoder of torch.nn modules: embed, encoder (layers, norm), head.
+ENCODER = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            hidden = 2 * width
+            self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+
+    class Encoder(nn.Module):
+        def __init__(self, width, depth):
+            super().__init__()
+            self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+            self.norm = nn.LayerNorm(width)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x)
+
+
+    class Net(nn.Module):
+        def __init__(self, width=16, depth=3):
+            super().__init__()
+            self.embed = nn.Linear(8, width)
+            self.encoder = Encoder(width, depth)
+            self.head = nn.Linear(width, 4)
+
+        def forward(self, x):
+            return self.head(self.encoder(self.embed(x)))
+
+
+    def with_loss():
+        x = torch.randn(8, 8, 8)
+        return Net().train(), (x,), lambda out: out.pow(2).mean()
+
+
+    def tensor_batch():
+        return Net().train(), torch.randn(8, 8, 8)
+    """
+)
+
+TABLE_HEADER = (
+    "budget  budget B  peak B  peak/budget  expected +ms  expected +%  measured +%  not kept"
+)
+
+
+@pytest.fixture
+def encoder_dir(tmp_path, monkeypatch):
+    (tmp_path / "plan_tree_encoder.py").write_text(ENCODER)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_plan_factory_prints_trees_and_writes_json_and_png(
+    encoder_dir, fixed_clock, monkeypatch, capsys
+):
+    from matplotlib.figure import Figure
+
+    figures, savefig = [], Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        figures.append(self)
+        savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    out_json, png = encoder_dir / "plan.json", encoder_dir / "pareto.png"
+    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "70%,1000,min", "--repeats", "1"]
+    argv += ["--quiet", "--json", str(out_json), "--plot", str(png)]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(out_json.read_text())
+    assert payload["model"] == "plan_tree_encoder:with_loss"
+    assert payload["type"] == "Net"
+    # Default candidates: the 3 repeated layers, the encoder above them, and the children
+    # with parameters of those and of the model: embed, encoder.norm, head.
+    assert payload["candidates"] == 7
+    rows = {row["budget"]: row for row in payload["budgets"]}
+    assert list(rows) == ["70%", "1000", "min"]
+    assert rows["1000"] == {
+        "budget": "1000",
+        "budget_bytes": 1000,
+        "infeasible": True,
+        "min_feasible_bytes": payload["min_feasible_bytes"],
+    }
+    plans = {label: forget.TreePlan.from_dict(rows[label]["plan"]) for label in ("70%", "min")}
+    for label, plan in plans.items():
+        assert plan.measured_peak_bytes <= plan.budget_bytes
+        # What is printed is the plan's own text, exactly, under a line naming the budget.
+        assert f"plan_tree_encoder:with_loss @ {label}:\n{plan}\n" in out
+    assert plans["min"].budget_bytes == payload["min_feasible_bytes"]
+    assert plans["min"].measured_peak_bytes == payload["min_feasible_bytes"]
+    assert plans["70%"].budget_bytes == int(0.7 * payload["plain_peak_bytes"])
+    assert set(plans["min"].choices) >= {f"encoder.layers.{i}" for i in range(2)}
+    assert "      encoder.layers.0 (Block) " in out  # indented two levels below the model
+    assert (
+        "plan_tree_encoder:with_loss @ 1000:\ninfeasible: the budget 1,000 B is below the "
+        f"least feasible one, {payload['min_feasible_bytes']:,} B; --budgets min plans at it"
+    ) in out
+    table = out[out.index(TABLE_HEADER.split()[0] + "  ") :].splitlines()
+    assert table[0].split() == TABLE_HEADER.split()
+    assert set(table[1]) <= {"-", " "}
+    assert [line.split()[0] for line in table[2:5]] == ["70%", "1000", "min"]
+    assert table[3].split()[-1] == "infeasible"
+    assert table[4].split()[3] == "1.000"  # min: the peak is the budget
+    assert out.splitlines()[-2:] == [
+        f"wrote {out_json}: the plans (TreePlan.from_dict reads each) and the figures as JSON",
+        f"wrote {png}: peak memory against step-time overhead for this model",
+    ]
+    assert png.read_bytes()[:8] == PNG
+    (ax,) = figures[0].axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines) == [
+        "assignments measured (allocator peak, predicted time)",
+        "least time at each peak, of those measured",
+        "every innermost candidate forgotten (measured peak, predicted time)",
+        "store-all (plain, measured)",
+        "our plans (measured peak, predicted time)",
+        "our plans (measured peak, measured time, noisy)",
+    ]
+    stars = lines["our plans (measured peak, predicted time)"]
+    plain_s = payload["plain_step_s"]
+    want = [100 * plans[label].predicted_extra_s / plain_s for label in ("70%", "min")]
+    assert list(stars.get_ydata()) == pytest.approx(want)
+    assert list(stars.get_xdata()) == [plans[k].measured_peak_bytes / 2**20 for k in ("70%", "min")]
+    peaks = [m["peak_bytes"] for m in payload["measured"]]
+    assert min(peaks) == payload["min_feasible_bytes"]
+    assert max(peaks) == payload["plain_peak_bytes"]  # plain: the empty assignment
+
+
+def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_clock, capsys):
+    out_json = encoder_dir / "plan.json"
+    argv = ["plan", str(encoder_dir / "plan_tree_encoder.py") + ":tensor_batch"]
+    argv += ["--candidate", "encoder.layers.?", "--budgets", "1000", "--repeats", "1"]
+    assert cli_main([*argv, "--quiet", "--json", str(out_json)]) == 2
+    captured = capsys.readouterr()
+    payload = json.loads(out_json.read_text())
+    assert payload["candidates"] == 3  # the layers only
+    layers = {f"encoder.layers.{i}" for i in range(3)}
+    assert all(set(m["choices"]) <= layers for m in payload["measured"])
+    assert captured.err.splitlines()[-1] == (
+        f"forget plan: no budget of {argv[1]} could be planned: each lies below the smallest "
+        f"feasible one, {payload['min_feasible_bytes']:,} B (plain peak "
+        f"{payload['plain_peak_bytes']:,} B); --budgets min plans at it"
+    )
+
+
+def test_plan_hugging_face_factory_with_a_dict_batch(tmp_path, monkeypatch, fixed_clock, capsys):
+    pytest.importorskip("transformers")
+    (tmp_path / "plan_tree_llama.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+
+            def build():
+                config = LlamaConfig(
+                    num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                    max_position_embeddings=64, use_cache=False,
+                )
+                ids = torch.randint(0, 64, (2, 16))
+                return LlamaForCausalLM(config).train(), {"input_ids": ids, "labels": ids}
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "plan_tree_llama:build", "--budgets", "min", "--repeats", "1", "--quiet"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "plan_tree_llama:build @ min:\nforget tree plan: " in out
+    rows = [line.split() for line in out.splitlines() if "(LlamaDecoderLayer)" in line]
+    assert [row[0] for row in rows] == ["model.layers.0", "model.layers.1"]
+    assert "forget" in [row[2] for row in rows]  # the loss: output.loss, from the labels
+
+
+ERRORS = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def alone(): return nn.Linear(2, 2)
+    def four(): return nn.Linear(2, 2), (torch.ones(2),), None, 1
+    def not_a_module(): return "model", (torch.ones(2),)
+    def list_batch(): return nn.Linear(2, 2), [torch.ones(2)]
+    def bad_loss(): return nn.Linear(2, 2), (torch.ones(2),), 5
+    def raises(): raise KeyError("no weights here\\nsecond line")
+    def vector_loss(): return nn.Linear(2, 2), (torch.ones(2),), lambda out: out
+    NOT_CALLABLE = 3
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "message"),
+    [
+        ("no_colon", [], "forget: expected module:factory or path/to/file.py:factory"),
+        ("no_such_module_xyz:build", [], "forget: cannot import 'no_such_module_xyz': "),
+        ("plan_tree_broken:build", [], "forget: cannot import 'plan_tree_broken': RuntimeError"),
+        ("plan_tree_broken.py:build", [], "forget: cannot import 'plan_tree_broken.py': Runtime"),
+        ("missing_file.py:build", [], "forget: cannot import 'missing_file.py': no such file"),
+        ("plan_tree_errors:nope", [], "has no attribute 'nope'; it defines alone, four,"),
+        ("plan_tree_errors:NOT_CALLABLE", [], "is not a callable factory (type int)"),
+        ("plan_tree_errors:raises", [], "raises() raised KeyError: 'no weights here"),
+        ("plan_tree_errors:alone", [], "returned only the model (Linear); return (model, batch)"),
+        ("plan_tree_errors:four", [], "it returned a tuple of 4 (Linear, tuple, NoneType, int)"),
+        ("plan_tree_errors:not_a_module", [], "a model of type str, not an nn.Module"),
+        ("plan_tree_errors:list_batch", [], "a batch of type list; the batch is a tuple"),
+        ("plan_tree_errors:bad_loss", [], "a loss_fn of type int; the third item is a callable"),
+        ("plan_tree_errors:vector_loss", [], "loss_fn(output) must be a floating tensor with one"),
+        ("plan_tree_errors:alone", ["--split", "--size", "tiny"], "--size, --split plan the"),
+        ("plan_tree_errors:alone", ["--budgets", "lots"], "cannot read the budget"),
+    ],
+)
+def test_plan_factory_errors_are_one_line(target, extra, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "plan_tree_errors.py").write_text(ERRORS)
+    (tmp_path / "plan_tree_broken.py").write_text('raise RuntimeError("at import\\nmore")\n')
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["plan", target, *extra, "--repeats", "1", "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1, captured.err  # no traceback
+    assert captured.err.startswith("forget: ")
+    assert message in captured.err
+
+
+def test_candidate_needs_a_target(capsys):
+    assert cli_main(["plan", "--candidate", "encoder.*", "--quiet"]) == 2
+    assert "--candidate picks the regions of a module:factory target" in capsys.readouterr().err
