@@ -52,7 +52,7 @@ from ._tree_apply import applied
 from ._tree_candidates import ROOT, CandidateSpec, structure
 from ._tree_plan import TreePlan
 from ._tree_profile import profile_tree
-from ._tree_step import TreeLossFn, TreeStep, samples_step, signature_of
+from ._tree_step import TreeLossFn, TreeStep, check_same_calls, samples_step, signature_of, traced
 
 __all__ = ["TreePlanner", "plan_tree"]
 
@@ -158,11 +158,18 @@ class TreePlanner:
         return P.solve_tree(self.tree, peak, unit_bytes=self.unit).choices
 
     def measure_peak(self, choices: Mapping[str, str], probe: str | None = None) -> int:
-        """The step's peak under ``choices``, by ``probe`` (default: the allocator's)."""
-        target = self.step.target()
-        with untouched(target), applied(self.step.model, choices, self.policies):
+        """The step's peak under ``choices``, by ``probe`` (default: the allocator's).
+
+        Raises:
+            ForgetError: the step's module calls differ from the profiled run's
+                (NOTE [one structure per step]).
+        """
+        model, target = self.step.model, self.step.target()
+        with untouched(target), applied(model, choices, self.policies), traced(model) as calls:
             zero_grads(target)
             report = measure(self.step.run, probe=probe or self.profile.probe)
+        where = ", ".join(choices) or "nothing"
+        check_same_calls(model, self.profile.calls, calls, f"run with {where} not kept")
         return report.peak_bytes
 
     def peak(self, choices: Mapping[str, str]) -> int:

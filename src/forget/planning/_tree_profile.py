@@ -55,7 +55,7 @@ from ._targets import untouched, zero_grads
 from ._timing import _alternating_median_difference, _median_s, _step_timer
 from ._tree_apply import is_wrapped, run_option
 from ._tree_candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
-from ._tree_step import TreeStep
+from ._tree_step import Call, TreeStep, check_same_calls, traced
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class TreeProfile:
     plain_peak_bytes: int  # by the allocator (``probe``)
     plain_ledger_peak_bytes: int
     probe: str
+    calls: tuple[Call, ...]  # the step's module calls (NOTE [one structure per step])
 
 
 def allocator_probe(step: TreeStep) -> str:
@@ -86,6 +87,8 @@ def profile_tree(
         ValueError: no named candidate called exactly once; a model that runs
             a forget region of a plan applied before.
         TypeError: the step's output has no loss (`step_loss`).
+        ForgetError: the step's module calls differ between its runs (NOTE
+            [one structure per step]).
     """
     model = step.model
     wrapped = [name for name, m in model.named_modules() if is_wrapped(m)]
@@ -98,13 +101,18 @@ def profile_tree(
     target = step.target()
     probe = allocator_probe(step)
     with untouched(target):
-        calls, captured = _capture(step, names)
+        with traced(model) as first:
+            calls, captured = _capture(step, names)
         names = _called_once(names, calls, named=candidates is not None)
         parent = parents(names)
         zero_grads(target)
-        own, inputs, ledger_peak = _attribute(step, names, parent)
+        with traced(model) as again:
+            own, inputs, ledger_peak = _attribute(step, names, parent)
+        check_same_calls(model, first, again, "second run (under the ledger)")
         zero_grads(target)
-        plain_peak = measure(step.run, probe=probe).peak_bytes
+        with traced(model) as again:
+            plain_peak = measure(step.run, probe=probe).peak_bytes
+        check_same_calls(model, first, again, "third run (by the allocator)")
         times = _forward_times(model, names, captured, repeats)
         options = _options(model, names, captured, policies, repeats, own, inputs, parent)
     children: dict[str, list[str]] = {ROOT: [], **{n: [] for n in names}}
@@ -125,7 +133,7 @@ def profile_tree(
     root = node(ROOT)
     predicted = P.tree_figures(P.Tree(root), {}).peak_bytes
     tree = P.Tree(root, base_bytes=max(0, plain_peak - predicted))
-    return TreeProfile(tree, plain_peak, ledger_peak, probe)
+    return TreeProfile(tree, plain_peak, ledger_peak, probe, tuple(first))
 
 
 # ------------------------------------------------------------------ passes

@@ -4,7 +4,8 @@ A tree plan (`._tree_planner`) plans the step ``loss = loss_fn(model(*args,
 **kwargs)); loss.backward()``. `TreeStep` holds it; `step_loss` is the default
 loss; `samples_step` picks, among several batches, the one planned for (the
 largest) and records every batch's input sizes, which an applied plan compares
-its inputs against (`LargerInputs`).
+its inputs against (`LargerInputs`); `traced` and `check_same_calls` hold the
+planner to one structure of the step (NOTE [one structure per step]).
 
 NOTE [plan's keywords]: ``forget.plan(model, *args, budget=..., **kwargs)``
 takes its own arguments (``budget``, ``loss_fn``, ``algorithm``, ``options``,
@@ -20,9 +21,10 @@ model takes any of those names), and a second spelling for every call (a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from ..engine import in_recomputing
+from ..errors import ForgetError
 from ._targets import _Target
 
 TreeLossFn = Callable[[Any], Tensor]
@@ -99,6 +103,95 @@ class TreeStep:
         """The step as the chain planner's `_Target` is, for `untouched` and `zero_grads`."""
         tensors = tuple(t for t in pytree.tree_leaves((self.args, self.kwargs)) if _is_tensor(t))
         return _Target([], [self.model], tensors, "tree", self.model, None)
+
+
+# A module call of a step's forward: the module's path and its tensor inputs' shapes.
+Call = tuple[str, tuple[tuple[int, ...], ...]]
+
+
+@contextlib.contextmanager
+def traced(model: nn.Module) -> Iterator[list[Call]]:
+    """Record every module call of the forwards run inside the block, in order.
+
+    NOTE [one structure per step]: a plan is an assignment of choices to the
+    modules of the step it measured, and the planner runs that step several
+    times (profiled, under the ledger, by the allocator, under each assignment
+    tried), taking figures from different runs for one cost model. A step
+    whose module calls change from run to run (control flow on the data, or on
+    random draws: a layer skipped when its input's sum is negative, a block
+    run a data-dependent number of times, a sequence cut to a length it
+    computes) has no one structure to plan: the figures would mix runs, and
+    the plan's measured peak would hold for one of them. So each of those runs
+    records its module calls, each module's path and the shapes of its tensor
+    inputs, and `check_same_calls` compares them with the first run's. Re-runs
+    in backward (`forget.in_recomputing`) are not recorded: a forgotten
+    region's are the same calls again, by construction. A pre-hook allocates
+    no tensor, so the peaks measured around it are those of the step alone.
+    """
+    calls: list[Call] = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not in_recomputing():
+                leaves = pytree.tree_leaves((args, kwargs))
+                calls.append((name, tuple(tuple(t.shape) for t in leaves if _is_tensor(t))))
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(hook(name), with_kwargs=True)
+        for name, module in model.named_modules()
+    ]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def check_same_calls(
+    model: nn.Module, first: Sequence[Call], again: Sequence[Call], run: str
+) -> None:
+    """Raise `ForgetError` naming the first module call where ``again`` departs from ``first``.
+
+    ``run`` names the run ``again`` came from, for the message (NOTE [one
+    structure per step]).
+    """
+    detail = None
+    for i, ((name, shapes), (name2, shapes2)) in enumerate(zip(first, again, strict=False)):
+        if name != name2:
+            detail = (
+                f"call {i + 1} of the first run was module {_path(name)}, of the {run} "
+                f"module {_path(name2)}"
+            )
+        elif shapes != shapes2:
+            detail = (
+                f"module {_path(name)} took inputs of shapes {list(shapes)} in the first run "
+                f"and {list(shapes2)} in the {run}"
+            )
+        if detail:
+            break
+    if detail is None and len(first) != len(again):
+        n = min(len(first), len(again))
+        extra = first[n][0] if len(first) > n else again[n][0]
+        detail = (
+            f"the first run made {len(first)} module calls, the {run} {len(again)}; "
+            f"call {n + 1}, to module {_path(extra)}, is in only one"
+        )
+    if detail is not None:
+        raise ForgetError(
+            f"forget: {type(model).__name__}'s step changed structure between two runs on "
+            f"the same inputs: {detail}. A plan assigns choices to the modules of the step it "
+            "measured, so the step must call the same modules on the same shapes every time "
+            "(NOTE [one structure per step]); control flow on the data or on random draws "
+            "(a layer skipped when its input's sum is negative, say) changes it. Fix the "
+            "control flow while planning (decide it outside the model), or plan each path "
+            "as a model of its own"
+        )
+
+
+def _path(name: str) -> str:
+    return repr(name) if name else "(the model itself)"
 
 
 def _is_tensor(value: object) -> bool:
