@@ -1,15 +1,28 @@
 """forget.integrations.transformers on tiny Hugging Face models built from configs.
 
-No downloads: every model is made from a config with 2 layers, hidden size 32
-and a vocabulary of 100, in train mode with its dropout on. Each step reseeds
-before the forward, so the plain run, forget's and transformers' own
-(torch.utils.checkpoint) draw the same dropout masks; on CPU loss and every
-parameter gradient must be bitwise equal.
+No downloads: every model is made from a config with 2 layers (4 for the
+budgets' Llama), hidden size 32 and a vocabulary of 100, in train mode with its
+dropout on. Each step reseeds before the forward, so the plain run, forget's
+and transformers' own (torch.utils.checkpoint) draw the same dropout masks; on
+CPU loss and every parameter gradient must be bitwise equal.
+
+The last part, budgets (NOTE [plan in force]): Llama, GPT-2, BERT, T5
+(encoder-decoder; ``labels`` make the ``decoder_input_ids``), ViT and
+transformers' ResNet (BatchNorm; transformers has no gradient checkpointing for
+it), each enabled on copies at 75 %, 50 % and 35 % of its plain step's
+allocator peak and at its least feasible budget, each ``enable`` planning
+afresh on the fixed clock (conftest.py: every byte measured, no step timed).
+The least is what the first budget's plan (or error) names; a plan at exactly
+that budget must fit, and a share below it must raise `BudgetInfeasibleError`
+naming it. The model ``enable`` returned steps at the plan's measured peak, by
+the allocator; a copy of it (a new process, as far as forget's engine knows)
+within the budget; loss, gradients and buffers are bitwise the plain step's.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +31,9 @@ import pytest
 import torch
 
 import forget
+from forget import BudgetInfeasibleError, TreePlan
 from forget.integrations import transformers as forget_hf
+from forget.planning import _clock
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,9 +55,9 @@ def _gpt2(layers: int = LAYERS) -> Any:
     return transformers.GPT2LMHeadModel(config)
 
 
-def _llama() -> Any:
+def _llama(layers: int = LAYERS) -> Any:
     config = transformers.LlamaConfig(
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=4,
@@ -212,6 +227,8 @@ def test_eval_mode_does_not_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_errors() -> None:
     with pytest.raises(TypeError, match=r"forget: .*PreTrainedModel"):
         forget_hf.enable(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"forget: .*PreTrainedModel"):
+        forget_hf.enable(torch.nn.Linear(2, 2), budget="50%", inputs={})
     model = _make("llama")
     for wrong in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=r"forget: every_n_layers must be .* at least 1"):
@@ -244,70 +261,6 @@ def test_torch_compile_of_enabled_model_matches_eager(name: str) -> None:
         _assert_equal(plain, _step(model, call=compiled))
     finally:
         torch._dynamo.reset()
-
-
-# NOTE [budget by layers]
-
-
-def _peak(model: Any) -> int:
-    model.zero_grad(set_to_none=True)
-    report = forget.measure(lambda: _loss(model).backward())
-    model.zero_grad(set_to_none=True)
-    return report.peak_bytes
-
-
-def _deep_gpt2() -> Any:
-    torch.manual_seed(0)
-    return _gpt2(layers=6).train()
-
-
-def test_budget_checkpoints_the_fewest_layers_that_fit() -> None:
-    inputs = {"input_ids": IDS, "labels": IDS}
-    model = _deep_gpt2()
-    plain_peak = _peak(model)
-    forget_hf.enable(model)
-    least = _peak(model)
-    names = [f"transformer.h.{i}" for i in range(6)]
-    assert forget_hf.checkpointed_layers(model) == names
-    chosen = []
-    for share in (1.0, 0.85, 0.7, 0.55):
-        forget_hf.enable(model, budget=share, inputs=inputs)
-        layers = forget_hf.checkpointed_layers(model)
-        assert layers == names[: len(layers)]  # the first ones
-        assert _peak(model) <= int(share * plain_peak)
-        chosen.append(len(layers))
-    assert chosen[0] == 0 and chosen == sorted(chosen) and chosen[-1] < 6
-    # one fewer layer would not fit: the choice is the least
-    k = chosen[-1]
-    for i, layer in enumerate(_layers(model)):
-        layer.gradient_checkpointing = i < k - 1
-    assert _peak(model) > int(0.55 * plain_peak)
-    assert least < _peak(model)
-    # grads and loss still those of the plain model
-    forget_hf.enable(model, budget="60%", inputs=inputs)
-    plain = _deep_gpt2()
-    _assert_equal(_step(plain), _step(model))
-
-
-def test_budget_below_all_layers_checkpointed_raises_with_the_least() -> None:
-    model = _deep_gpt2()
-    forget_hf.enable(model)
-    least = _peak(model)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    rng = torch.get_rng_state()
-    with pytest.raises(forget.BudgetInfeasibleError, match="smallest feasible") as error:
-        forget_hf.enable(model, budget=least - 1, inputs={"input_ids": IDS, "labels": IDS})
-    assert error.value.min_feasible_bytes == least
-    assert forget_hf.checkpointed_layers(model) == [f"transformer.h.{i}" for i in range(6)]
-    forget_hf.enable(model, budget=least, inputs={"input_ids": IDS, "labels": IDS})
-    assert torch.equal(rng, torch.get_rng_state())  # probing leaves the RNG alone
-    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
-    assert all(p.grad is None for p in model.parameters())
-
-
-def test_budget_needs_inputs() -> None:
-    with pytest.raises(TypeError, match="needs their inputs"):
-        forget_hf.enable(_deep_gpt2(), budget="50%")
 
 
 # The four leaks of issue 25, item 5: Trainer, PEFT, settings kept, hooks left alone.
@@ -348,6 +301,7 @@ def test_enable_keeps_the_layers_and_keyword_arguments_transformers_was_given() 
     )
     every_other = ["transformer.h.0", "transformer.h.2"]
     assert forget_hf.checkpointed_layers(model) == every_other
+    torch_func = _layers(model)[0]._gradient_checkpointing_func
     forget_hf.enable(model)
     assert forget_hf.is_enabled(model) and forget_hf.checkpointed_layers(model) == every_other
     func = _layers(model)[0]._gradient_checkpointing_func
@@ -376,6 +330,9 @@ def test_enable_keeps_the_layers_and_keyword_arguments_transformers_was_given() 
     assert forget_hf.checkpointed_layers(model) == every_other
     forget_hf.disable(model)
     assert "activation_checkpointing_enable" not in vars(model)
+    # transformers' checkpointing as the first enable found it: its layers, torch's function
+    assert forget_hf.checkpointed_layers(model) == every_other
+    assert all(layer._gradient_checkpointing_func is torch_func for layer in _layers(model))
     model.activation_checkpointing_enable()  # transformers' own again
     assert not forget_hf.is_enabled(model) and len(forget_hf.checkpointed_layers(model)) == 4
 
@@ -416,7 +373,7 @@ TRAIN_DATA = [{"input_ids": row, "labels": row} for row in TRAIN_IDS]
 Run = tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def _train(model: Any, output_dir: Any, **arguments: Any) -> Run:
+def _train(model: Any, output_dir: Any, data: Any = TRAIN_DATA, **arguments: Any) -> Run:
     """Two steps of ``Trainer.train()``: each step's loss, gradients, and the parameters after."""
     losses: list[torch.Tensor] = []
     grads: list[dict[str, torch.Tensor]] = []
@@ -443,7 +400,7 @@ def _train(model: Any, output_dir: Any, **arguments: Any) -> Run:
         use_cpu=True,
         **arguments,
     )
-    trainer = Recording(model=model, args=args, train_dataset=TRAIN_DATA, callbacks=[Gradients()])
+    trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[Gradients()])
     trainer.train()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return losses, grads, params
@@ -546,3 +503,392 @@ def test_trainer_trains_lora_with_forget_as_plain(
     assert forget_hf.is_enabled(model) and len(calls) == 2 * LAYERS
     assert all("lora_" in n for n in ours[1][0])  # only the adapters train
     _assert_same_run(plain, ours)
+
+
+# NOTE [plan in force]: enable(model, budget=..., inputs=...) puts a module-tree plan in force.
+# tests/test_transformers_budget.py covers six models at four budgets; here, how the plan
+# lives with transformers' checkpointing, Trainer and PEFT.
+
+INPUTS = {"input_ids": IDS, "labels": IDS}
+
+
+def _module_state(model: Any, attributes: bool = True) -> list[tuple[Any, ...]]:
+    """Per module: its attributes' names, instance forward, hooks and checkpointing settings."""
+    return [
+        (
+            name,
+            sorted(vars(m)) if attributes else None,
+            vars(m).get("forward"),
+            len(m._forward_pre_hooks),
+            len(m._forward_hooks),
+            getattr(m, "gradient_checkpointing", None),
+            vars(m).get("_gradient_checkpointing_func"),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+def _plan_regions(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each forward of a plan's region, counted: in_recomputing() there (False in a forward)."""
+    from forget.planning import _tree_apply
+
+    calls: list[bool] = []
+    run_option = _tree_apply.run_option
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(forget.in_recomputing())
+        return run_option(*args, **kwargs)
+
+    monkeypatch.setattr(_tree_apply, "run_option", counting)
+    return calls
+
+
+@pytest.mark.usefixtures("fixed_clock")
+def test_a_plan_replaces_layer_checkpointing_and_gives_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _make("gpt2")
+    plain = _step(copy.deepcopy(model))
+    _step(model)  # what a forward makes lazily exists before the state is read
+    found = _module_state(model)
+    forget_hf.enable(model)  # layers through forget.checkpoint first
+    layers = forget_hf.checkpointed_layers(model)
+    assert layers == ["transformer.h.0", "transformer.h.1"]
+    layer_calls, regions = _counting(monkeypatch), _plan_regions(monkeypatch)
+    assert forget_hf.enable(model, budget=0.9, inputs=INPUTS) is model
+    plan = forget_hf.plan_of(model)
+    assert isinstance(plan, forget.TreePlan) and plan.choices
+    assert plan.measured_peak_bytes <= plan.budget_bytes < plan.plain_peak_bytes
+    assert forget_hf.is_enabled(model) and forget_hf.checkpointed_layers(model) == []
+    layer_calls.clear(), regions.clear()
+    _assert_equal(plain, _step(model))
+    assert layer_calls == []  # no layer checkpointed on top of the plan
+    assert regions == [False] * len(plan.choices)  # the plan's regions ran, once each
+    copied = copy.deepcopy(model)  # the copy's own plan: its hooks here leave the model alone
+    seen = _seen_recomputing(copied)
+    _assert_equal(plain, _step(copied))
+    assert seen[:LAYERS] == [False] * LAYERS and True in seen  # and re-ran in backward
+    # without a budget: the plan gone, the layers back; with one again: planned afresh
+    forget_hf.enable(model)
+    assert forget_hf.plan_of(model) is None and forget_hf.checkpointed_layers(model) == layers
+    assert not any("forward" in vars(m) for m in model.modules())
+    forget_hf.enable(model, budget=0.9, inputs=[INPUTS, {"input_ids": IDS[:1], "labels": IDS[:1]}])
+    again = forget_hf.plan_of(model)
+    assert again is not None and again is not plan and again.choices == plan.choices
+    assert len(again.input_sizes) == 2  # both batches recorded, planned on the larger
+    forget_hf.disable(model)
+    assert _module_state(model) == found
+    assert not forget_hf.is_enabled(model) and forget_hf.plan_of(model) is None
+
+
+@pytest.mark.usefixtures("fixed_clock")
+def test_transformers_own_checkpointing_is_off_under_a_plan_and_back_after() -> None:
+    model = _gpt2(layers=4).train()
+    _step(model)
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2
+    )
+    found = _module_state(model)
+    forget_hf.enable(model, budget=0.9, inputs=INPUTS)
+    assert forget_hf.checkpointed_layers(model) == [] and forget_hf.plan_of(model) is not None
+    assert not model.is_activation_checkpointing
+    forget_hf.disable(model)
+    assert _module_state(model) == found  # torch's, every other layer
+    assert forget_hf.checkpointed_layers(model) == ["transformer.h.0", "transformer.h.2"]
+
+
+@pytest.mark.usefixtures("fixed_clock")
+def test_the_door_keeps_the_plan_and_says_what_it_cannot_do() -> None:
+    model = forget_hf.enable(_make("llama"), budget=0.95, inputs=INPUTS)
+    plan = forget_hf.plan_of(model)
+    assert plan is not None
+    model.activation_checkpointing_enable()  # as Trainer does
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": True}
+    )
+    assert forget_hf.plan_of(model) is plan and forget_hf.checkpointed_layers(model) == []
+    refused: list[dict[str, Any]] = [
+        {"every_n_layers": 2},
+        {"activation_checkpointing_kwargs": {"preserve_rng_state": False}},
+        {"activation_checkpointing_kwargs": {"determinism_check": "none"}},
+    ]
+    for call in refused:
+        with pytest.raises(ValueError, match=r"forget: .*plan fitted to .* B.*without budget"):
+            model.activation_checkpointing_enable(**call)
+    with pytest.raises(ValueError, match=r"forget: .*offload=True"):
+        model.activation_checkpointing_enable(offload=True)
+    with pytest.warns(UserWarning, match="forget: use_reentrant=True is ignored"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": True}
+        )
+    assert forget_hf.plan_of(model) is plan and forget_hf.checkpointed_layers(model) == []
+
+
+def test_budget_arguments_are_checked_before_anything_changes() -> None:
+    model = _make("llama")
+    found = _module_state(model)
+    with pytest.raises(TypeError, match="needs their inputs"):
+        forget_hf.enable(model, budget="50%")
+    for wrong in ([], "ids", [IDS]):
+        with pytest.raises(TypeError, match="needs their inputs"):
+            forget_hf.enable(model, budget="50%", inputs=wrong)
+    for layer_option in ({"policy": True}, {"every_n_layers": 2}, {"preserve_rng_state": False}):
+        with pytest.raises(TypeError, match=r"forget: .* with budget= enable checkpoints no"):
+            forget_hf.enable(model, budget="50%", inputs=INPUTS, **layer_option)
+    with pytest.raises(TypeError, match=r"forget: \['inputs'\] are for fitting a budget"):
+        forget_hf.enable(model, inputs=INPUTS)
+    assert _module_state(model) == found
+    resnet = transformers.ResNetForImageClassification(
+        transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1], num_labels=2)
+    )
+    with pytest.raises(ValueError, match=r"forget: .*Fit a budget instead"):
+        forget_hf.enable(resnet)
+
+
+@pytest.mark.usefixtures("fixed_clock")
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("lora", [False, True], ids=["llama", "lora"])
+def test_trainer_trains_under_the_plan_as_plain(
+    lora: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("accelerate")
+    make = _lora if lora else lambda: _make("llama")
+    rows = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(2))
+    data = [{"input_ids": row, "labels": row} for row in rows]
+    plain = _train(make(), tmp_path / "plain", data)
+    batch = {"input_ids": rows[:2], "labels": rows[:2]}  # a batch as Trainer makes it
+    model = make()
+    base = model.get_base_model() if lora else model
+    found = _module_state(base, attributes=False)
+    forget_hf.enable(model, budget=0.9, inputs=batch)
+    plan = forget_hf.plan_of(model)
+    assert plan is not None and plan.choices
+    layer_calls, regions = _counting(monkeypatch), _plan_regions(monkeypatch)
+    ours = _train(model, tmp_path / "forget", data, activation_checkpointing=True)
+    assert forget_hf.plan_of(model) is plan and forget_hf.checkpointed_layers(model) == []
+    assert layer_calls == [] and regions == 2 * [False] * len(plan.choices)
+    _assert_same_run(plain, ours)
+    forget_hf.disable(model)
+    assert _module_state(base, attributes=False) == found  # Trainer sets attributes of its own
+    assert not {"activation_checkpointing_enable", "_forget_tree_plan"} & set(vars(base))
+
+
+# Budgets: six models, each at 75 %, 50 %, 35 % of its plain peak and the least feasible.
+
+Inputs = dict[str, torch.Tensor]
+
+
+def _tokens(batch: int, tokens: int, low: int = 0, seed: int = 1) -> torch.Tensor:
+    return torch.randint(low, VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def _t5() -> Any:
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=LAYERS,
+        num_decoder_layers=LAYERS,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        use_cache=False,
+    )  # dropout 0.1
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _vit() -> Any:
+    config = transformers.ViTConfig(
+        image_size=32,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=3,
+    )
+    return transformers.ViTForImageClassification(config)
+
+
+def _resnet() -> Any:
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[2, 2], layer_type="basic", num_labels=3
+    )
+    return transformers.ResNetForImageClassification(config)
+
+
+def _images() -> Inputs:
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    return {"pixel_values": x, "labels": torch.arange(4) % 3}
+
+
+def _lm_inputs(tokens: int, low: int = 0) -> Callable[[], Inputs]:
+    return lambda: {"input_ids": _tokens(4, tokens, low), "labels": _tokens(4, tokens, low)}
+
+
+BUDGET_MODELS: dict[str, tuple[Callable[[], Any], Callable[[], Inputs]]] = {
+    "llama": (lambda: _llama(layers=4), _lm_inputs(64)),
+    "gpt2": (_gpt2, _lm_inputs(32)),
+    "bert": (_bert, _lm_inputs(32, low=1)),
+    "t5": (_t5, lambda: {"input_ids": _tokens(4, 32, 2), "labels": _tokens(4, 16, 2, seed=2)}),
+    "vit": (_vit, _images),
+    "resnet": (_resnet, _images),
+}
+BUDGETS = ("75%", "50%", "35%", "least")
+CASES = [(name, budget) for name in BUDGET_MODELS for budget in BUDGETS]
+
+
+def _step_of(model: Any, inputs: Inputs, seed: int) -> tuple[Step, dict[str, torch.Tensor]]:
+    """`_step` on ``inputs``, and the buffers after it."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**inputs).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (loss.detach(), grads), {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _allocator_peak(model: Any, inputs: Inputs) -> int:
+    """The step's peak by the allocator; gradients and buffers (BatchNorm's) left as they were."""
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    model.zero_grad(set_to_none=True)
+    report = forget.measure(lambda: model(**inputs).loss.backward(), probe="profiler")
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, value in buffers:
+            buffer.copy_(value)
+    return report.peak_bytes
+
+
+@dataclasses.dataclass
+class Enabled:
+    name: str
+    model: Any  # plain, never enabled: the reference
+    inputs: Inputs
+    found: list[tuple[Any, ...]]  # _module_state(model)
+    plain_peak_bytes: int
+    # budget -> the model enable(budget=...) changed and its plan, or the error it raised
+    runs: dict[str, tuple[Any, TreePlan] | BudgetInfeasibleError]
+
+
+@pytest.fixture(scope="module")
+def enabled_models() -> dict[str, Enabled]:
+    """Each model, enabled once per budget (by `_enabled`), for every test of this module."""
+    return {}
+
+
+@pytest.fixture
+def enabled(enabled_models: dict[str, Enabled], name: str) -> Enabled:
+    if name not in enabled_models:
+        enabled_models[name] = _enabled(name)
+    return enabled_models[name]
+
+
+def _enabled(name: str) -> Enabled:
+    """``name``'s model enabled on copies at each budget (the least: what the first names)."""
+    torch.manual_seed(0)
+    make, make_inputs = BUDGET_MODELS[name]
+    model, inputs = make().train(), make_inputs()
+    _step_of(model, inputs, seed=0)  # what a forward makes lazily exists before the state is read
+    plain_peak = _allocator_peak(model, inputs)
+    runs: dict[str, tuple[Any, TreePlan] | BudgetInfeasibleError] = {}
+    least: int | None = None
+    with _clock.using(_clock.FixedClock()):
+        for budget in BUDGETS:
+            copied = copy.deepcopy(model)
+            try:
+                forget_hf.enable(
+                    copied, budget=least if budget == "least" else budget, inputs=inputs
+                )
+            except BudgetInfeasibleError as error:
+                runs[budget] = error
+            else:
+                plan = forget_hf.plan_of(copied)
+                assert plan is not None
+                runs[budget] = (copied, plan)
+            if least is None:
+                first = runs[budget]
+                least = (
+                    first if isinstance(first, BudgetInfeasibleError) else first[1]
+                ).min_feasible_bytes
+    return Enabled(name, model, inputs, _module_state(model), plain_peak, runs)
+
+
+def _run(enabled: Enabled, budget: str, copied: bool = True) -> tuple[Any, TreePlan]:
+    """The model enabled at ``budget``, or a copy (which keeps its own door and regions)."""
+    run = enabled.runs[budget]
+    if isinstance(run, BudgetInfeasibleError):
+        least = enabled.runs["least"]
+        assert not isinstance(least, BudgetInfeasibleError), "the least feasible budget fits"
+        least_bytes = least[1].budget_bytes
+        assert budget != "least" and run.min_feasible_bytes == least_bytes > run.budget_bytes
+        assert f"{least_bytes:,} B" in str(run)
+        pytest.skip(f"{budget} is below the least feasible budget ({least_bytes:,} B)")
+    model, plan = run
+    if not copied:
+        return model, plan
+    copy_ = copy.deepcopy(model)  # steps change buffers (BatchNorm): each test runs its own
+    assert forget_hf.plan_of(copy_) is not None and copy_ is not model
+    return copy_, plan
+
+
+budget_cases = pytest.mark.parametrize(
+    ("name", "budget"), CASES, ids=[f"{n}-{b}" for n, b in CASES]
+)
+
+
+@budget_cases
+def test_budget_measured_peak_is_within_the_budget(enabled: Enabled, budget: str) -> None:
+    model, plan = _run(enabled, budget, copied=False)
+    peak = _allocator_peak(model, enabled.inputs)
+    print(
+        f"{enabled.name} {budget}: budget {plan.budget_bytes:,} B, allocator peak {peak:,} B "
+        f"(plain {enabled.plain_peak_bytes:,} B, least {plan.min_feasible_bytes:,} B), "
+        f"not kept: {dict(plan.choices)}"
+    )
+    assert peak == plan.measured_peak_bytes <= plan.budget_bytes < enabled.plain_peak_bytes
+    assert plan.plain_peak_bytes == enabled.plain_peak_bytes
+    if budget == "least":
+        assert plan.budget_bytes == plan.min_feasible_bytes
+    else:
+        assert plan.budget_bytes == forget.schedules.parse_budget(budget, plan.plain_peak_bytes)
+    assert forget_hf.is_enabled(model) and forget_hf.checkpointed_layers(model) == []
+
+
+@budget_cases
+def test_budget_step_equals_the_plain_step_bitwise(enabled: Enabled, budget: str) -> None:
+    model, plan = _run(enabled, budget)
+    assert _allocator_peak(model, enabled.inputs) <= plan.budget_bytes
+    plain = copy.deepcopy(enabled.model)
+    for seed in (3, 4):  # the second step sees the buffers (BatchNorm) the first left
+        ours, buffers = _step_of(model, enabled.inputs, seed)
+        theirs, buffers0 = _step_of(plain, enabled.inputs, seed)
+        _assert_equal(theirs, ours)
+        assert ours[1] and buffers.keys() == buffers0.keys()
+        assert all(torch.equal(buffers[n], buffers0[n]) for n in buffers0)
+
+
+@pytest.mark.parametrize("name", list(BUDGET_MODELS))
+def test_budget_disable_leaves_the_model_as_found(enabled: Enabled) -> None:
+    model, _ = _run(enabled, "least")
+    assert _module_state(model) != enabled.found  # regions, a door, the input-size hook
+    assert forget_hf.disable(model) is model
+    assert _module_state(model) == enabled.found
+    assert not forget_hf.is_enabled(model) and forget_hf.plan_of(model) is None
+
+
+@pytest.mark.usefixtures("fixed_clock")
+@pytest.mark.parametrize("name", ["llama", "resnet"])
+def test_budget_one_byte_below_the_least_raises_and_changes_nothing(enabled: Enabled) -> None:
+    least = enabled.runs["least"]
+    assert not isinstance(least, BudgetInfeasibleError)
+    least_bytes = least[1].budget_bytes
+    model = copy.deepcopy(enabled.model)
+    with pytest.raises(BudgetInfeasibleError, match="smallest feasible") as error:
+        forget_hf.enable(model, budget=least_bytes - 1, inputs=enabled.inputs)
+    assert error.value.min_feasible_bytes == least_bytes
+    assert f"{least_bytes:,} B" in str(error.value)
+    assert _module_state(model) == enabled.found and forget_hf.plan_of(model) is None

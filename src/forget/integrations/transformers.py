@@ -1,4 +1,4 @@
-"""Hugging Face transformers: checkpoint a model's layers with forget's engine.
+"""Hugging Face transformers: checkpoint a model's layers with forget's engine, or fit a budget.
 
 transformers (4.35 and later, 5.x) checkpoints a layer by calling the
 ``_gradient_checkpointing_func`` attribute that ``activation_checkpointing_enable``
@@ -6,10 +6,10 @@ transformers (4.35 and later, 5.x) checkpoints a layer by calling the
 ``gradient_checkpointing`` flag; by default that function is
 ``torch.utils.checkpoint.checkpoint`` with the given keyword arguments bound.
 `enable` lets transformers do its own switching (the flags, ``every_n_layers``),
-then puts `forget.checkpoint` in place of that function on each such module. So
-every layer transformers checkpoints runs as a forgotten region: gradients equal
-the plain run's (dropout replayed), BatchNorm-like buffers are updated once, and
-``policy`` selects what each layer keeps.
+then puts `forget.checkpoint` in place of that function on each such module, so
+every layer transformers checkpoints runs as a forgotten region (gradients as
+plain, dropout replayed, buffers updated once; ``policy`` selects what each layer
+keeps). With ``budget=`` it picks no layers: it puts a plan in force.
 
 NOTE [one door]: everything that switches checkpointing on calls the model's
 ``activation_checkpointing_enable``: ``Trainer.train()`` when
@@ -25,12 +25,28 @@ keyword arguments Trainer passes reach torch's checkpoint, a policy is no JSON
 value for ``TrainingArguments``, and every other caller would still drop forget.
 `disable` hands the door back to transformers.
 
+NOTE [plan in force]: with ``budget=``, `enable` plans ``model(**inputs)`` with
+`forget.plan` (regions anywhere in the module tree, nested, the allocator's
+peak) and applies the `TreePlan` (instance forwards). transformers' own
+checkpointing is off while it plans and stays off: a layer in a plan's region
+and checkpointed by transformers too would be a region nested in another, re-run
+twice in backward; one checkpointed outside the plan is memory and time the plan
+did not measure. The door keeps the plan: a later ``activation_checkpointing_enable``
+(Trainer's) switches no layer on, and raises for what the plan would not do
+(``every_n_layers`` other than 1, ``offload=True``, torch checkpoint options its
+regions do not take; ``use_reentrant`` is taken as `forget.checkpoint` takes
+it). `enable` without a budget removes the plan and checkpoints layers; with
+another budget it plans the plain model again; `disable` removes the plan. A
+plan needs no checkpointing support from transformers (its ResNet has none).
+
 NOTE [settings kept]: `enable` on a model whose layers transformers already
 checkpoints keeps the layers it chose (``every_n_layers``, or any flags set by
 hand) and the keyword arguments bound to its function; ``every_n_layers=...``
 switches again. What forget cannot keep raises: ``offload=True`` (transformers
 keeps each layer's inputs in host memory; forget's engine keeps a region's
-inputs on their device) or a checkpoint function that is not torch's.
+inputs on their device) or a checkpoint function that is not torch's. `disable`
+puts back transformers' checkpointing as the first `enable` found it: the
+flags, and each module's checkpoint function (or its absence).
 
 NOTE [input-grad hooks]: transformers' enable also hooks the input embeddings so
 that their output requires grad, which reentrant checkpointing needs to reach
@@ -66,13 +82,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .. import checkpoint
 from ..policies import Policy, as_policy
 
-__all__ = ["checkpoint_function", "checkpointed_layers", "disable", "enable", "is_enabled"]
+if TYPE_CHECKING:
+    from ..planning import TreePlan
+
+__all__ = [
+    "checkpoint_function",
+    "checkpointed_layers",
+    "disable",
+    "enable",
+    "is_enabled",
+    "plan_of",
+]
 
 _INSTALL = 'pip install "transformers>=4.35"  (or: pip install "torch-forget[transformers]")'
 _ATTR = "_gradient_checkpointing_func"
@@ -88,91 +115,111 @@ def enable(
     preserve_rng_state: bool | None = None,
     every_n_layers: int | None = None,
     budget: int | float | str | None = None,
-    inputs: Mapping[str, Any] | None = None,
+    inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    loss_fn: Callable[[Any], Any] | None = None,
+    candidates: str | type | Iterable[str | type] | None = None,
+    options: Mapping[str, Policy | bool] | None = None,
 ) -> Any:
-    """Turn on gradient checkpointing in ``model``, with forget running every checkpointed layer.
+    """Turn on gradient checkpointing in ``model``, run by forget; with ``budget``, a fitted plan.
 
-    Memory and compute are transformers' checkpointing's: each checkpointed layer
-    keeps only its inputs (and what ``policy`` keeps) and runs its forward once
-    more in backward. forget stays in force through ``Trainer`` and every later
+    Without ``budget``, memory and compute are transformers' checkpointing's:
+    each checkpointed layer keeps only its inputs (and what ``policy`` keeps)
+    and runs its forward once more in backward. With ``budget``, the step is
+    planned to fit it at the least recomputation measured (`forget.plan` over
+    the module tree) and the plan put in force (NOTE [plan in force]). Either
+    way forget stays in force through ``Trainer`` and every later
     ``model.activation_checkpointing_enable(...)`` until `disable` (NOTE [one door]).
 
     Args:
-        model: a ``transformers.PreTrainedModel`` that supports gradient
-            checkpointing, or a PEFT model wrapping one.
+        model: a ``transformers.PreTrainedModel`` (one that supports gradient
+            checkpointing, unless ``budget`` is given), or a PEFT model wrapping one.
         policy: what each layer keeps (`forget.policies`); ``None`` keeps nothing
-            but the layer inputs.
+            but the layer inputs. Not with ``budget`` (see ``options``).
         preserve_rng_state: replay RNG in the recomputation (dropout stays exact);
             ``None`` keeps what the checkpoint keyword arguments say, else ``True``.
+            Not with ``budget``: a plan's regions always replay it.
         every_n_layers: checkpoint every n-th layer, as transformers' own argument;
             ``None`` keeps the layers transformers checkpoints already (NOTE
-            [settings kept]), or all of them when it checkpoints none.
-        budget: fit one training step into this peak memory, checkpointing as few
-            layers as it takes: bytes, a size (``"512MiB"``) or a share of the
-            plain step's measured peak (``"60%"``, ``0.6``). Needs ``inputs``.
-            NOTE [budget by layers].
-        inputs: keyword inputs of one training step, ``model(**inputs).loss``
-            (for example ``{"input_ids": ids, "labels": ids}``), used to measure.
+            [settings kept]), or all of them when it checkpoints none. Not with
+            ``budget``.
+        budget: fit one training step into this peak memory, by the allocator:
+            bytes, a size (``"512MiB"``) or a share of the plain step's peak
+            (``"60%"``, ``0.6``). Needs ``inputs``.
+        inputs: the keyword inputs of one training step, ``model(**inputs)``
+            (for example ``{"input_ids": ids, "labels": ids}``), or a list of
+            such dicts, batches of the shapes you train on: the plan is made for
+            the largest, and a larger input warns (`forget.plan`'s ``samples``).
+        loss_fn: output -> scalar loss of the step planned; default ``output.loss``.
+        candidates: which submodules may be regions, as `forget.plan` takes them.
+        options: name -> policy, partial keeps a region may take instead of
+            forgetting everything, as `forget.plan` takes them.
 
     Returns:
         ``model`` itself, changed in place. As with transformers' own
-        checkpointing, layers are checkpointed only in ``model.train()`` mode.
+        checkpointing, layers are checkpointed only in ``model.train()`` mode;
+        a plan's regions run whenever gradients are on.
 
     Raises:
         ImportError: transformers is not installed (the message has the pip command).
         TypeError: ``model`` is not a ``PreTrainedModel`` (nor wraps one);
-            ``budget`` without ``inputs``.
-        ValueError: the model does not support gradient checkpointing, or uses the
-            pre-4.35 format that calls torch's checkpoint directly; its layers are
-            checkpointed by a function forget would replace at a loss (NOTE
-            [settings kept]).
-        forget.BudgetInfeasibleError: even with every layer checkpointed the
-            measured peak is above ``budget``; the error names that peak.
+            ``budget`` without ``inputs``, or with a layer option.
+        ValueError: the model does not support gradient checkpointing (without
+            ``budget``), or uses the pre-4.35 format that calls torch's
+            checkpoint directly; its layers are checkpointed by a function forget
+            would replace at a loss (NOTE [settings kept]).
+        forget.BudgetInfeasibleError: the budget is below the least peak of any
+            plan measured; the error names it (``min_feasible_bytes``). The
+            model is left as it was.
     """
+    n = every_n_layers
+    planning = {"inputs": inputs, "loss_fn": loss_fn, "candidates": candidates, "options": options}
+    if budget is not None:
+        layer_options = {"policy": policy, "preserve_rng_state": preserve_rng_state}
+        return _enable_plan(model, budget, planning, {**layer_options, "every_n_layers": n})
+    if given := [name for name, value in planning.items() if value is not None]:
+        raise TypeError(
+            f"forget: {given} are for fitting a budget, and enable without budget= "
+            "checkpoints layers and plans nothing. Pass budget= as well, or leave them out."
+        )
     base = _base_model(model)
-    if every_n_layers is not None and (
-        isinstance(every_n_layers, bool)
-        or not isinstance(every_n_layers, int)
-        or every_n_layers < 1
-    ):
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(
             f"forget: every_n_layers must be a whole number of at least 1 (1 checkpoints every "
             f"layer, 2 every other one), got {every_n_layers!r}."
         )
-    if budget is not None and inputs is None:
-        raise TypeError(
-            "forget: enable(model, budget=...) measures training steps to fit the budget and "
-            "needs their inputs: pass inputs={'input_ids': ids, 'labels': ids} (whatever "
-            "model(**inputs).loss takes)."
-        )
     door = _door(base)
     if door is None:
         door = _ForgetDoor(base, _found_options(base))
-    options = {**door.options, "policy": as_policy(policy)}
+    door.remove_plan()
+    bound = {**door.options, "policy": as_policy(policy)}
     if preserve_rng_state is not None:
-        options["preserve_rng_state"] = preserve_rng_state
-    door.options = options
+        bound["preserve_rng_state"] = preserve_rng_state
+    door.options = bound
     door.install()
     if every_n_layers is None and any(layer.gradient_checkpointing for layer in _layers(base)):
         door.put_forget_in()  # NOTE [settings kept]
     else:
         door.switch_on(every_n_layers=1 if every_n_layers is None else every_n_layers)
-    if budget is not None:
-        assert inputs is not None
-        _fit_budget(model, budget, inputs)
     return model
 
 
 def disable(model: Any) -> Any:
-    """Turn gradient checkpointing off again (forget's or transformers'); return ``model``.
+    """Turn forget off again; return ``model``, as the first `enable` found it.
 
-    The model's ``activation_checkpointing_enable`` is transformers' own again,
-    and its input-embedding hooks are as `enable` found them.
+    The plan (NOTE [plan in force]) is removed, the model's
+    ``activation_checkpointing_enable`` is transformers' own again, transformers'
+    checkpointing (flags and functions) is as `enable` found it (NOTE [settings
+    kept]), and the input-embedding hooks are as they were. On a model forget
+    has not enabled, transformers' checkpointing is switched off, as its own
+    ``activation_checkpointing_disable`` does.
     """
-    base = _base_model(model)
+    base = _base_model(model, layers=False)
     door = _door(base)
     if door is not None:
+        door.remove_plan()
         door.uninstall()
+        door.put_back_found()
+        return model
     name = "activation_checkpointing_disable"
     if not hasattr(base, name):  # transformers 4.x
         name = "gradient_checkpointing_disable"
@@ -182,13 +229,30 @@ def disable(model: Any) -> Any:
 
 
 def is_enabled(model: Any) -> bool:
-    """Whether some layer of ``model`` is checkpointed, and every checkpointed one by forget."""
+    """Whether a plan of forget's is in force on ``model``, or forget runs every checkpointed layer.
+
+    Layers: some layer is checkpointed, and every checkpointed one by forget.
+    """
+    if plan_of(model) is not None:
+        return True
     flagged = [m for m in _checkpointing_modules(model) if m.gradient_checkpointing]
     return bool(flagged) and all(getattr(getattr(m, _ATTR, None), _MARK, False) for m in flagged)
 
 
+def plan_of(model: Any) -> TreePlan | None:
+    """The `forget.TreePlan` that ``enable(model, budget=...)`` put in force, or ``None``.
+
+    ``print(plan_of(model))`` shows the regions as a tree with their bytes; the
+    plan's ``measured_peak_bytes`` is the planned step's peak by the allocator.
+    """
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    door = _door(base) if hasattr(base, "__dict__") else None
+    return None if door is None else door.plan
+
+
 def checkpointed_layers(model: Any) -> list[str]:
-    """Names of the layers of ``model`` that transformers checkpoints now."""
+    """Names of the layers of ``model`` that transformers checkpoints now (none under a plan)."""
     names = {id(m): n for n, m in model.named_modules()}
     return [names[id(m)] for m in _layers(model) if m.gradient_checkpointing]
 
@@ -211,21 +275,60 @@ def checkpoint_function(
     return func
 
 
+def _enable_plan(
+    model: Any, budget: int | float | str, planning: dict[str, Any], layer_options: dict[str, Any]
+) -> Any:
+    """`enable` with a budget: plan the plain model, then put the plan in (NOTE [plan in force])."""
+    from ..planning import plan
+
+    base = _base_model(model, layers=False)
+    if given := [name for name, value in layer_options.items() if value is not None]:
+        raise TypeError(
+            f"forget: {given} choose how transformers' layers are checkpointed, and with "
+            "budget= enable checkpoints no layers: it plans regions over the whole model "
+            "(NOTE [plan in force]). Leave them out; to let regions keep some outputs, "
+            "offer policies with options={'name': policy}."
+        )
+    samples = _samples(planning.pop("inputs"))
+    door = _door(base)
+    if door is None:
+        door = _ForgetDoor(base, _found_options(base))
+    before, found = door.plan, _checkpointing_state(base)
+    door.remove_plan()
+    for module, _ in found:
+        if module.gradient_checkpointing:
+            module.gradient_checkpointing = False
+    try:  # the model as it was, should planning or applying fail
+        fitted = plan(base, budget=budget, samples=samples, **planning)
+        fitted.apply(base)
+    except BaseException:
+        _put_back(found)
+        if before is not None:
+            before.apply(base)
+            door.plan = before
+        raise
+    door.plan = fitted
+    door.install()
+    return model
+
+
 class _ForgetDoor:
     """What ``model.activation_checkpointing_enable`` is while forget is enabled (NOTE [one door]).
 
-    It holds the `forget.checkpoint` options bound to every layer (``options``)
-    and whatever the instance had under that name before (``previous``), put
-    back by `uninstall`.
+    It holds the `forget.checkpoint` options bound to every layer (``options``),
+    the plan in force (``plan``), what the instance had under that name before
+    (``previous``) and transformers' checkpointing as it found it (``found``).
     """
 
     def __init__(self, model: Any, options: dict[str, Any]) -> None:
         self.model = model
         self.options = options
+        self.plan: TreePlan | None = None
         self.name = "activation_checkpointing_enable"
         if not hasattr(model, self.name):  # transformers 4.x
             self.name = "gradient_checkpointing_enable"
         self.previous = model.__dict__.get(self.name)
+        self.found = _checkpointing_state(model)
 
     def __repr__(self) -> str:
         return f"<forget's {self.name} of {type(self.model).__name__}: {self.options}>"
@@ -249,8 +352,38 @@ class _ForgetDoor:
                 f"model.{self.name}(offload=True)."
             )
         given = activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {}
+        if self.plan is not None:
+            self.keep_plan(given, every_n_layers)
+            return
         self.options = {**self.options, **given}
         self.switch_on(every_n_layers=every_n_layers)
+
+    def keep_plan(self, given: Mapping[str, Any], every_n_layers: int) -> None:
+        """A call of the door under a plan: nothing switched on, what cannot hold raises."""
+        assert self.plan is not None
+        # Taken: use_reentrant (the engine is never reentrant), and what the regions do.
+        taken = {("preserve_rng_state", True)}
+        asked = [
+            f"{k}={v!r}" for k, v in given.items() if k != "use_reentrant" and (k, v) not in taken
+        ]
+        if every_n_layers != 1 or asked:
+            asked = [f"every_n_layers={every_n_layers}"] * (every_n_layers != 1) + asked
+            raise ValueError(
+                f"forget: {self.name}({', '.join(asked)}) on a model whose regions a plan "
+                f"fitted to {self.plan.budget_bytes:,} B chooses (enable(model, budget=...)); "
+                "the plan stays in force and checkpoints no layer on top of it (NOTE [plan "
+                "in force]), so this would be lost. Leave it out (of TrainingArguments' "
+                "activation_checkpointing_kwargs too), or checkpoint layers instead: "
+                "forget.integrations.transformers.enable(model) without budget."
+            )
+        if given.get("use_reentrant"):
+            warnings.warn(
+                "forget: use_reentrant=True is ignored; the regions of forget's plan run "
+                "forget's own non-reentrant engine. Pass use_reentrant=False to silence "
+                "this warning.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def install(self) -> None:
         setattr(self.model, self.name, self)
@@ -260,6 +393,15 @@ class _ForgetDoor:
             delattr(self.model, self.name)
         else:
             setattr(self.model, self.name, self.previous)
+
+    def remove_plan(self) -> None:
+        if self.plan is not None:
+            self.plan.remove(self.model)
+            self.plan = None
+
+    def put_back_found(self) -> None:
+        """transformers' checkpointing as the door found it (NOTE [settings kept])."""
+        _put_back(self.found)
 
     def switch_on(self, *, every_n_layers: int) -> None:
         """transformers' own enable (flags, ``every_n_layers``), then forget's function in."""
@@ -372,8 +514,12 @@ def _require_transformers() -> Any:
     return transformers
 
 
-def _base_model(model: Any) -> Any:
-    """The ``PreTrainedModel`` of ``model``: itself, or what a PEFT model wraps."""
+def _base_model(model: Any, *, layers: bool = True) -> Any:
+    """The ``PreTrainedModel`` of ``model``: itself, or what a PEFT model wraps.
+
+    ``layers``: it must support transformers' gradient checkpointing (a plan
+    needs no such support, NOTE [plan in force]).
+    """
     transformers = _require_transformers()
     base = model
     get_base_model = getattr(model, "get_base_model", None)
@@ -384,29 +530,59 @@ def _base_model(model: Any) -> Any:
             "forget: enable/disable take a transformers PreTrainedModel or a PEFT model "
             f"wrapping one (its get_base_model() a PreTrainedModel), got {type(model).__name__}."
         )
-    if not getattr(base, "supports_gradient_checkpointing", False):
+    if layers and not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(
             f"forget: {type(base).__name__} does not support gradient checkpointing in "
             "transformers (supports_gradient_checkpointing is False), so there are no layers "
-            "to run through forget. Wrap its blocks with forget.Forget instead."
+            "to run through forget. Fit a budget instead, which plans regions over any "
+            "model: enable(model, budget=..., inputs={...}); or wrap its blocks with "
+            "forget.Forget."
         )
     return base
+
+
+def _samples(
+    inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+) -> list[Mapping[str, Any]]:
+    """``inputs`` as `forget.plan`'s samples: dicts that reach the model untouched."""
+    samples = [inputs] if isinstance(inputs, Mapping) else inputs
+    if (
+        isinstance(samples, list | tuple)
+        and samples
+        and all(isinstance(x, Mapping) for x in samples)
+    ):
+        return list(samples)
+    raise TypeError(
+        "forget: enable(model, budget=...) measures training steps to fit the budget and "
+        "needs their inputs: pass inputs={'input_ids': ids, 'labels': ids} (whatever "
+        f"model(**inputs) takes), or a list of such dicts; got {type(inputs).__name__}."
+    )
 
 
 def _checkpointing_modules(model: Any) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
 
 
-# NOTE [budget by layers]: transformers checkpoints a layer when its
-# ``gradient_checkpointing`` flag is set, so a budget is met by choosing how many
-# layers keep the flag. Checkpointing the first k of L layers, the measured peak
-# of a step falls as k grows (the tests check it on the reference models); we
-# measure k = L (the least memory: above the budget, the budget is infeasible)
-# and k = 0 (the plain step, what a share refers to), then bisect for the least k
-# whose *measured* peak fits. The first layers go first: their activations wait
-# longest for backward, and a checkpointed layer recomputes after the plain layers
-# above it have freed theirs. Each probe is one step measured with forget.measure;
-# RNG, gradients and buffers are put back afterwards.
+def _checkpointing_state(model: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """Each module with a checkpointing flag, with the flag and function its instance holds.
+
+    transformers' layers have a class-level ``gradient_checkpointing = False``:
+    what is put back is the instance's own attributes, or their absence.
+    """
+    names = ("gradient_checkpointing", _ATTR)
+    return [
+        (m, {name: m.__dict__[name] for name in names if name in m.__dict__})
+        for m in _checkpointing_modules(model)
+    ]
+
+
+def _put_back(state: list[tuple[Any, dict[str, Any]]]) -> None:
+    for module, own in state:
+        for name in ("gradient_checkpointing", _ATTR):
+            if name in own:
+                module.__dict__[name] = own[name]
+            else:
+                module.__dict__.pop(name, None)
 
 
 def _layers(model: Any) -> list[Any]:
@@ -417,58 +593,3 @@ def _layers(model: Any) -> list[Any]:
         for m in flagged
         if not any(o is not m and hasattr(o, _ATTR) for o in m.modules() if o in flagged)
     ]
-
-
-def _fit_budget(model: Any, budget: int | float | str, inputs: Mapping[str, Any]) -> None:
-    import torch
-
-    from ..errors import BudgetInfeasibleError
-    from ..memory import measure
-    from ..schedules import parse_budget
-
-    layers = _layers(model)
-    params = list(model.parameters())
-    cuda = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-    grads = [p.grad for p in params]
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-
-    def peak(k: int) -> int:
-        for i, layer in enumerate(layers):
-            layer.gradient_checkpointing = i < k
-        for p in params:
-            p.grad = None
-        with torch.random.fork_rng(devices=cuda):  # probes draw no one's random numbers
-            report = measure(lambda: model(**inputs).loss.backward())
-        return report.peak_bytes
-
-    chosen = len(layers)  # what enable leaves when the budget cannot be met
-    try:
-        least, plain = peak(len(layers)), peak(0)
-        limit = parse_budget(budget, plain)
-        if least > limit:
-            raise BudgetInfeasibleError(
-                f"forget: the budget {limit:,} B is below the smallest feasible one, "
-                f"{least:,} B (one step with all {len(layers)} layers checkpointed; the plain "
-                f"step peaks at {plain:,} B)",
-                budget_bytes=limit,
-                min_feasible_bytes=least,
-            )
-        lo, hi = 0, len(layers)  # peak(hi) <= limit
-        if plain <= limit:
-            hi = 0
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if peak(mid) <= limit:
-                hi = mid
-            else:
-                lo = mid
-        chosen = hi
-    finally:
-        for i, layer in enumerate(layers):
-            layer.gradient_checkpointing = i < chosen
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                if n in buffers:
-                    b.copy_(buffers[n])
