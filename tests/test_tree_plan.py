@@ -642,3 +642,15 @@ def test_a_step_that_changes_structure_between_runs_raises_naming_the_module(cha
             _assert_untouched(model, before)
             return
     pytest.fail("no seed changed the step's structure")
+
+
+def test_an_assignment_holding_another_fitting_one_and_more_is_not_timed(fixed_clock):
+    # NOTE [tree plans measured]: it re-runs all the other re-runs and more.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    one, two = {"layers.0": "forget"}, {"layers.0": "forget", "layers.1": "forget"}
+    calls = fixed_clock.calls
+    assert planner._fastest([(two, 10), (one, 20)]) == (one, 20)
+    assert planner._fastest([(two, 10), ({}, 30), (one, 20)]) == ({}, 30)
+    assert fixed_clock.calls == calls  # one candidate left: nothing timed
+    planner._fastest([(two, 10), ({"layers.2": "forget"}, 20), (one, 20)])
+    assert fixed_clock.calls > calls  # two of them: timed side by side
