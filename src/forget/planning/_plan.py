@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
@@ -17,6 +15,7 @@ from .. import schedules as P
 from ..engine import InTurn, run_region
 from ..policies import Policy
 from ..schedules import format_bytes
+from ._json import SavedAsJson
 from ._profile import _check_options, _policy_region
 from ._targets import Block, _group, sub_stages
 
@@ -63,7 +62,7 @@ class PlannedSequential(nn.Sequential):
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(SavedAsJson):
     """A schedule for a chain of blocks that fits a memory budget, measured.
 
     Attributes:
@@ -251,14 +250,6 @@ class Plan:
             "stage_parts": None if self.stage_parts is None else list(self.stage_parts),
         }
 
-    def to_json(self) -> str:
-        """The plan as JSON text."""
-        return json.dumps(self.to_dict(), indent=2)
-
-    def save(self, path: str | Path) -> None:
-        """Write the plan as JSON to ``path``."""
-        Path(path).write_text(self.to_json() + "\n")
-
     @classmethod
     def from_dict(
         cls, obj: Mapping[str, Any], *, options: Mapping[str, Policy | bool] | None = None
@@ -300,16 +291,6 @@ class Plan:
             block_stages=None if sizes is None else tuple(int(n) for n in sizes),
             stage_parts=None if parts is None else tuple(int(n) for n in parts),
         )
-
-    @classmethod
-    def from_json(cls, text: str, *, options: Mapping[str, Policy | bool] | None = None) -> Plan:
-        """Rebuild a plan from `to_json`'s text."""
-        return cls.from_dict(json.loads(text), options=options)
-
-    @classmethod
-    def load(cls, path: str | Path, *, options: Mapping[str, Policy | bool] | None = None) -> Plan:
-        """Read a plan written by `save`."""
-        return cls.from_json(Path(path).read_text(), options=options)
 
 
 def _layout(items: Sequence[P.Keep | P.Region]) -> str:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -14,6 +12,7 @@ from torch import nn
 from .. import schedules as P
 from ..policies import Policy
 from ..schedules import format_bytes
+from ._json import SavedAsJson
 from ._profile import _check_options
 from ._tree_apply import is_wrapped, policy_of, unwrap_all, wrap_all
 from ._tree_candidates import ROOT, first_difference
@@ -31,7 +30,7 @@ class _Applied:
 
 
 @dataclass(frozen=True)
-class TreePlan:
+class TreePlan(SavedAsJson):
     """Forgotten regions over a model's module tree that fit a memory budget, measured.
 
     `forget.plan` returns one for a model that is not a chain. ``choices``
@@ -230,14 +229,6 @@ class TreePlan:
             "option_names": list(self.option_names),
         }
 
-    def to_json(self) -> str:
-        """The plan as JSON text."""
-        return json.dumps(self.to_dict(), indent=2)
-
-    def save(self, path: str | Path) -> None:
-        """Write the plan as JSON to ``path``."""
-        Path(path).write_text(self.to_json() + "\n")
-
     @classmethod
     def from_dict(
         cls, obj: Mapping[str, Any], *, options: Mapping[str, Policy | bool] | None = None
@@ -266,20 +257,6 @@ class TreePlan:
             option_names=tuple(obj.get("option_names", ())),
             policies=_check_options(options),
         )
-
-    @classmethod
-    def from_json(
-        cls, text: str, *, options: Mapping[str, Policy | bool] | None = None
-    ) -> TreePlan:
-        """Rebuild a plan from `to_json`'s text."""
-        return cls.from_dict(json.loads(text), options=options)
-
-    @classmethod
-    def load(
-        cls, path: str | Path, *, options: Mapping[str, Policy | bool] | None = None
-    ) -> TreePlan:
-        """Read a plan written by `save`."""
-        return cls.from_json(Path(path).read_text(), options=options)
 
 
 def _node_dict(node: P.TreeNode) -> dict[str, Any]:
