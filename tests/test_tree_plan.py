@@ -654,3 +654,18 @@ def test_an_assignment_holding_another_fitting_one_and_more_is_not_timed(fixed_c
     assert fixed_clock.calls == calls  # one candidate left: nothing timed
     planner._fastest([(two, 10), ({"layers.2": "forget"}, 20), (one, 20)])
     assert fixed_clock.calls > calls  # two of them: timed side by side
+
+
+class _Checkpointed(_GatedStack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full_like(x, 0.5)
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, mask=mask, use_reentrant=False)
+        return x
+
+
+def test_re_runs_in_backward_are_no_change_of_structure():
+    # NOTE [one structure per step]: torch's checkpoint inside the model re-runs its
+    # layers in backward, forget's regions theirs; only the forward's calls count.
+    planner = TreePlanner(_Checkpointed(), (torch.randn(10, 16),), repeats=1)
+    assert planner.measure_peak({"layers.1": "forget"}) > 0

@@ -111,7 +111,7 @@ Call = tuple[str, tuple[tuple[int, ...], ...]]
 
 @contextlib.contextmanager
 def traced(model: nn.Module) -> Iterator[list[Call]]:
-    """Record every module call of the forwards run inside the block, in order.
+    """Record the module calls made while ``model``'s forward runs inside the block, in order.
 
     NOTE [one structure per step]: a plan is an assignment of choices to the
     modules of the step it measured, and the planner runs that step several
@@ -123,25 +123,34 @@ def traced(model: nn.Module) -> Iterator[list[Call]]:
     computes) has no one structure to plan: the figures would mix runs, and
     the plan's measured peak would hold for one of them. So each of those runs
     records its module calls, each module's path and the shapes of its tensor
-    inputs, and `check_same_calls` compares them with the first run's. Re-runs
-    in backward (`forget.in_recomputing`) are not recorded: a forgotten
-    region's are the same calls again, by construction. A pre-hook allocates
-    no tensor, so the peaks measured around it are those of the step alone.
+    inputs, and `check_same_calls` compares them with the first run's. Only
+    calls made while the model's own forward runs count, and no re-run
+    (`forget.in_recomputing`): re-runs in backward (a forgotten region's, or
+    those of a ``torch.utils.checkpoint`` inside the model) are the same calls
+    again by construction, and the first run, forward only, has none. A hook
+    allocates no tensor, so the peaks measured around it are those of the step
+    alone.
     """
     calls: list[Call] = []
+    depth = [0]  # the model's forwards running (a model may call itself)
 
     def hook(name: str) -> Callable[..., None]:
         def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not in_recomputing():
+            if (depth[0] or not name) and not in_recomputing():
                 leaves = pytree.tree_leaves((args, kwargs))
                 calls.append((name, tuple(tuple(t.shape) for t in leaves if _is_tensor(t))))
+            depth[0] += not name
 
         return record
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        depth[0] -= 1
 
     handles = [
         module.register_forward_pre_hook(hook(name), with_kwargs=True)
         for name, module in model.named_modules()
     ]
+    handles.append(model.register_forward_hook(leave, always_call=True))
     try:
         yield calls
     finally:
