@@ -40,7 +40,6 @@ import argparse
 import copy
 import dataclasses
 import math
-import random
 import re
 import statistics
 import time
@@ -53,7 +52,7 @@ from torch import nn
 
 import forget
 from forget import policies as P
-from forget.planning import TreePlanner, time_calls
+from forget.planning import TreePlanner, ratio_range, time_calls
 
 _Key = tuple[tuple[str, str], ...]  # an assignment's (module, choice) pairs, sorted
 
@@ -243,25 +242,10 @@ def _time_all(
     return overheads, statistics.median(base)
 
 
-def ratio_range(plan: Sequence[float], best: Sequence[float], draws: int = 2000) -> str:
-    """5th-95th percentile of median(plan) / median(best) over rounds resampled in pairs.
-
-    The statistic of ``forget plan``'s 90 % range (NOTE [ratio range], in the
-    CLI's private module): draws whose best median is not above zero have no
-    ratio; with fewer than half left, there is no range.
-    """
-    rng = random.Random(0)
-    n = len(plan)
-    ratios = []
-    for _ in range(draws):
-        picks = [rng.randrange(n) for _ in range(n)]
-        below = statistics.median(best[i] for i in picks)
-        if below > 0:
-            ratios.append(statistics.median(plan[i] for i in picks) / below)
-    if 2 * len(ratios) < draws:
-        return "n/a"
-    cuts = statistics.quantiles(ratios, n=20, method="inclusive")
-    return f"{cuts[0]:.2f}-{cuts[-1]:.2f}"
+def spread(plan: Sequence[float], best: Sequence[float]) -> str:
+    """``forget.planning.ratio_range`` of the rounds as ``lo-hi``, or ``n/a``."""
+    cuts = ratio_range(plan, best)
+    return "n/a" if cuts is None else f"{cuts[0]:.2f}-{cuts[-1]:.2f}"
 
 
 # ------------------------------------------------------------------ output
@@ -331,7 +315,7 @@ def report(name: str, result: Result) -> None:
         if best is not None:
             below = statistics.median(overheads[best[2]])
             value = statistics.median(overheads[plan_key]) / below if below > 0 else math.nan
-            ratio, spread = f"{value:.2f}x", ratio_range(overheads[plan_key], overheads[best[2]])
+            ratio, spread = f"{value:.2f}x", spread(overheads[plan_key], overheads[best[2]])
             if not value <= 0.9:
                 why.append(f"- {row.budget}: {_why(row, best, spread)}")
         else:

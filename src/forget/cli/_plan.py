@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import random
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -28,7 +27,14 @@ from .. import schedules as P
 from ..errors import BudgetInfeasibleError
 from ..memory import frozen_heap
 from ..models import MODEL_NAMES, SIZES
-from ..planning import Plan, Planner, paired_overheads, run_items, time_side_by_side
+from ..planning import (
+    Plan,
+    Planner,
+    paired_overheads,
+    ratio_range,
+    run_items,
+    time_side_by_side,
+)
 from ..policies import Policy
 from ..schedules import MIB
 from . import _plan_tree
@@ -182,33 +188,6 @@ def _plan_budgets(
         done(label)
     rows.sort(key=lambda row: list(labels).index(row.label))
     return ModelResult(name, planner.plain_peak, min_feasible, rows, planner)
-
-
-def ratio_range(
-    plan: Sequence[float], uniform: Sequence[float], draws: int = 2000
-) -> tuple[float, float] | None:
-    """The 5th and 95th percentiles of median(plan) / median(uniform) over resampled rounds.
-
-    NOTE [ratio range]: ``plan`` and ``uniform`` are per-round overheads of the
-    same rounds (NOTE [paired rounds]); the rounds are drawn with replacement,
-    as pairs, ``draws`` times (seeded, so a table repeats given its timings).
-    A draw whose uniform median is not above zero has no ratio and is left
-    out; with fewer than half the draws left, there is no range.
-    """
-    if len(plan) != len(uniform) or not plan:
-        raise ValueError("forget: plan and uniform need the same, non-zero number of rounds")
-    rng = random.Random(0)
-    n = len(plan)
-    ratios = []
-    for _ in range(draws):
-        picks = [rng.randrange(n) for _ in range(n)]
-        below = statistics.median(uniform[i] for i in picks)
-        if below > 0:
-            ratios.append(statistics.median(plan[i] for i in picks) / below)
-    if 2 * len(ratios) < draws:
-        return None
-    cuts = statistics.quantiles(ratios, n=20, method="inclusive")
-    return cuts[0], cuts[-1]
 
 
 # ------------------------------------------------------------------ output

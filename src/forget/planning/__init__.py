@@ -28,6 +28,7 @@ from ._profile import profile_chain as profile_chain
 from ._targets import untouched as untouched
 from ._targets import zero_grads as zero_grads
 from ._timing import paired_overheads as paired_overheads
+from ._timing import ratio_range as ratio_range
 from ._timing import time_calls as time_calls
 from ._timing import time_rounds as time_rounds
 from ._timing import time_side_by_side as time_side_by_side
@@ -43,6 +44,7 @@ __all__ = [
     "paired_overheads",
     "plan",
     "profile_chain",
+    "ratio_range",
     "run_items",
     "time_calls",
     "time_rounds",

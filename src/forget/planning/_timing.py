@@ -162,3 +162,30 @@ def _displaces(rounds: Sequence[float], reference: Sequence[float]) -> bool:
 
 # Pairs of neighbouring blocks the fixed cost of a region is the median over.
 _REGION_PAIRS = 4
+
+
+def ratio_range(
+    plan: Sequence[float], reference: Sequence[float], draws: int = 2000
+) -> tuple[float, float] | None:
+    """The 5th and 95th percentiles of median(plan) / median(reference) over resampled rounds.
+
+    NOTE [ratio range]: ``plan`` and ``reference`` are per-round overheads of the
+    same rounds (NOTE [paired rounds]); the rounds are drawn with replacement,
+    as pairs, ``draws`` times (seeded, so a table repeats given its timings).
+    A draw whose reference median is not above zero has no ratio and is left
+    out; with fewer than half the draws left, there is no range.
+    """
+    if len(plan) != len(reference) or not plan:
+        raise ValueError("forget: plan and reference need the same, non-zero number of rounds")
+    rng = random.Random(0)
+    n = len(plan)
+    ratios = []
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        below = statistics.median(reference[i] for i in picks)
+        if below > 0:
+            ratios.append(statistics.median(plan[i] for i in picks) / below)
+    if 2 * len(ratios) < draws:
+        return None
+    cuts = statistics.quantiles(ratios, n=20, method="inclusive")
+    return cuts[0], cuts[-1]
