@@ -230,7 +230,6 @@ class PolicyReplay:
     packed: set[StorageKey]
     packed_draws: set[int]
     snapshots: list[tuple[torch.Tensor, torch.Tensor]]
-    touched_state: bool
 
     def _keep(
         self,

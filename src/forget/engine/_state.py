@@ -165,9 +165,7 @@ class StateTracker(PolicyReplay, TorchDispatchMode):
         self._stop_at: int | None = None
         #: Positions of the ops that wrote into an argument (NOTE [early stop]).
         self.writers: set[int] = set()
-        #: NOTE [plain re-run]: whether an op wrote into outside state (or updated
-        #: running statistics), and whether a region started inside this one.
-        self.touched_state = False
+        #: NOTE [plain re-run]: whether a region started inside this one.
         self.nested = False
         #: Running statistics that batch norms in training updated (NOTE [fast path]).
         self.statistics: list[torch.Tensor] = []
@@ -233,7 +231,6 @@ class StateTracker(PolicyReplay, TorchDispatchMode):
             and args[_TRAINING_ARG] is True
             and isinstance(args[3], torch.Tensor)
         ):
-            self.touched_state = True
             # NOTE [write-only statistics]
             if not self._recomputing:
                 self.statistics += [t for t in args[3:5] if isinstance(t, torch.Tensor)]
@@ -320,7 +317,6 @@ class StateTracker(PolicyReplay, TorchDispatchMode):
         if key in self._seen:
             return
         self._seen.add(key)
-        self.touched_state = True
         self.snapshots.append((t, t.detach().clone()))
 
 
