@@ -1,0 +1,178 @@
+"""forget.plan on module trees: which modules are candidates, and what is charged to them.
+
+Default and restricted candidates, leaf options measured per module, the figures
+charged to each module, the structure check that refuses a plan on another model,
+deep copies of a planned model, and which assignments the planner times. Models:
+tests/_tree_models.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import forget
+from _tree_models import (
+    Block,
+    _assert_untouched,
+    _GatedStack,
+    _llama,
+    _net,
+    _resnet,
+    _snapshot,
+    _step,
+    _with_grads,
+)
+from forget import TreePlan
+from forget import policies as policies_
+from forget.planning import TreePlanner
+from forget.planning._tree_candidates import find_candidates, first_difference
+
+pytestmark = pytest.mark.usefixtures("fixed_clock")
+
+
+# ------------------------------------------------------------------ structure
+
+
+def test_a_model_of_another_structure_is_refused_naming_the_first_difference():
+    model, inputs = _net(depth=2)
+    plan = forget.plan(model, budget="75%", **inputs)
+    deeper, _ = _net(depth=3)
+    with pytest.raises(ValueError, match=r"'encoder\.layers\.2' the plan has nothing, Net has "):
+        plan.apply(deeper)
+    other, _ = _net(depth=2)
+    other.encoder.layers[1] = nn.Sequential(nn.Linear(32, 32))
+    before = _snapshot(_with_grads(other))
+    with pytest.raises(ValueError) as error:
+        plan.apply(other)
+    assert str(error.value).startswith("forget: this plan was made for another model")
+    assert "'encoder.layers.1'" in str(error.value)
+    assert "_tree_models.Block" in str(error.value) and "Sequential" in str(error.value)
+    _assert_untouched(other, before)
+    assert first_difference(plan.structure, model) is None
+
+
+def test_a_llama_plan_is_refused_on_a_deeper_llama():
+    model, inputs = _llama(2)
+    least = forget.plan(model, budget=1.0, **inputs).min_feasible_bytes
+    plan = forget.plan(model, budget=least, **inputs)
+    deeper, _ = _llama(3)
+    with pytest.raises(ValueError, match=r"'model\.layers\.2' the plan has nothing"):
+        plan.apply(deeper)
+
+
+# ------------------------------------------------------------------ figures
+
+
+def test_figures_charge_every_saved_storage_once():
+    # NOTE [tree figures], exact bytes (10 x 16 float32 = 640 B): each layer keeps its
+    # tanh output (mul saves it); a layer's input, the previous layer's output, is
+    # the layer's (its Linear saves it, its region would hold it); the mask every
+    # layer reads is the model's, held whatever a layer chooses; the loss is 4 B.
+    # Layer 0's input is the step's own and counts nowhere.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    root = planner.tree.root
+    assert (root.own_bytes, root.input_bytes) == (640 + 4, 0)
+    figures = [(n.name, n.own_bytes, n.input_bytes) for n in root.children]
+    assert figures == [("layers.0", 640, 0), ("layers.1", 1280, 640), ("layers.2", 1280, 640)]
+    # The base is what the plain step holds beyond: the keep-all plan predicts its peak.
+    assert forget.schedules.tree_figures(planner.tree, {}).peak_bytes == planner.plain_peak
+
+
+# ------------------------------------------------------------------ candidates
+
+
+def test_default_candidates_are_repeated_blocks_the_modules_above_and_their_stems_and_heads():
+    model, _ = _net()
+    assert find_candidates(model) == [
+        "embed",
+        "encoder",
+        "encoder.layers",
+        *(f"encoder.layers.{i}" for i in range(4)),
+        "encoder.norm",
+        "head",
+    ]
+    llama, _ = _llama()
+    assert find_candidates(llama) == [
+        "model",
+        "model.embed_tokens",
+        "model.layers",
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm",
+        "lm_head",
+    ]
+    resnet, _ = _resnet()
+    found = find_candidates(resnet)
+    assert {"resnet", "resnet.embedder", "resnet.encoder", "classifier"} <= set(found)
+    assert {f"resnet.encoder.stages.{i}" for i in range(2)} <= set(found)
+    assert {f"resnet.encoder.stages.1.layers.{i}" for i in range(2)} <= set(found)
+    assert "resnet.encoder.stages.1.layers.1.layer.0.convolution" not in found
+
+
+def test_candidates_restrict_by_name_pattern_or_type():
+    model, inputs = _net()
+    planner = TreePlanner(model, (), inputs, candidates="encoder.layers.*", repeats=1)
+    nodes = [n.name for n in planner.tree.root.children]
+    assert nodes == [f"encoder.layers.{i}" for i in range(4)]
+    plan = planner.plan("60%")
+    assert set(plan.choices) <= set(nodes) and plan.measured_peak_bytes <= plan.budget_bytes
+    by_type = TreePlanner(model, (), inputs, candidates=[Block, "encoder"], repeats=1)
+    (encoder,) = by_type.tree.root.children
+    assert encoder.name == "encoder"
+    assert [n.name for n in encoder.children] == nodes
+    with pytest.raises(ValueError, match="matches no submodule"):
+        forget.plan(model, budget="60%", candidates="decoder.*", **inputs)
+    with pytest.raises(TypeError, match="candidates"):
+        forget.plan(model, budget="60%", candidates=[3], **inputs)
+
+
+def test_options_are_leaf_choices_measured_per_module():
+    model, inputs = _net()
+    options = {"matmuls": policies_.save_outputs_of(*policies_.MATMUL)}
+    planner = TreePlanner(model, (), inputs, options=options, candidates=Block, repeats=1)
+    layer = planner.tree.root.children[0]
+    (option,) = layer.options
+    assert option.name == "matmuls" and not option.in_regions
+    assert option.held_bytes < layer.own_bytes
+    plan = planner.plan("80%")
+    assert plan.option_names == ("matmuls",) and plan.measured_peak_bytes <= plan.budget_bytes
+    loaded = TreePlan.from_json(plan.to_json(), options=options)
+    plain = copy.deepcopy(model)
+    planned = loaded.apply(copy.deepcopy(model))
+    loss, grads, _ = _step(planned, inputs)
+    loss0, grads0, _ = _step(plain, inputs)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
+    if "matmuls" in plan.choices.values():
+        with pytest.raises(ValueError, match="options="):
+            TreePlan.from_json(plan.to_json()).apply(copy.deepcopy(model))
+
+
+# ------------------------------------------------------------------ copies and timing
+
+
+def test_a_deep_copy_of_a_planned_model_runs_its_own_modules():
+    model, inputs = _net()
+    plan = forget.plan(model, budget="60%", repeats=1, **inputs)
+    copied = copy.deepcopy(plan.apply(model))
+    for name in plan.choices:
+        wrapper = copied.get_submodule(name).forward
+        assert wrapper.original.__self__ is copied.get_submodule(name)
+    loss, grads, _ = _step(copied, inputs)
+    loss0, grads0, _ = _step(plan.remove(model), inputs)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
+
+
+def test_an_assignment_holding_another_fitting_one_and_more_is_not_timed(fixed_clock):
+    # NOTE [tree plans measured]: it re-runs all the other re-runs and more.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    one, two = {"layers.0": "forget"}, {"layers.0": "forget", "layers.1": "forget"}
+    calls = fixed_clock.calls
+    assert planner._fastest([(two, 10), (one, 20)]) == (one, 20)
+    assert planner._fastest([(two, 10), ({}, 30), (one, 20)]) == ({}, 30)
+    assert fixed_clock.calls == calls  # one candidate left: nothing timed
+    planner._fastest([(two, 10), ({"layers.2": "forget"}, 20), (one, 20)])
+    assert fixed_clock.calls > calls  # two of them: timed side by side
