@@ -98,6 +98,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     # Default candidates: the 3 repeated layers, the encoder above them, and the children
     # with parameters of those and of the model: embed, encoder.norm, head.
     assert payload["candidates"] == 7
+    assert list(payload["options"]) == ["selective", "regenerate"]  # NOTE [default options]
     rows = {row["budget"]: row for row in payload["budgets"]}
     assert list(rows) == ["70%", "1000", "min"]
     assert rows["1000"] == {
@@ -155,10 +156,12 @@ def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_cloc
     out_json = encoder_dir / "plan.json"
     argv = ["plan", str(encoder_dir / "plan_tree_encoder.py") + ":tensor_batch"]
     argv += ["--candidate", "encoder.layers.?", "--budgets", "1000", "--repeats", "1"]
-    assert cli_main([*argv, "--quiet", "--json", str(out_json)]) == 2
+    assert cli_main([*argv, "--quiet", "--no-options", "--json", str(out_json)]) == 2
     captured = capsys.readouterr()
     payload = json.loads(out_json.read_text())
     assert payload["candidates"] == 3  # the layers only
+    assert payload["options"] == {}
+    assert all(set(m["choices"].values()) == {"forget"} for m in payload["measured"][1:])
     layers = {f"encoder.layers.{i}" for i in range(3)}
     assert all(set(m["choices"]) <= layers for m in payload["measured"])
     assert captured.err.splitlines()[-1] == (
@@ -234,6 +237,11 @@ ERRORS = textwrap.dedent(
         ("plan_tree_errors:vector_loss", [], "loss_fn(output) must be a floating tensor with one"),
         ("plan_tree_errors:alone", ["--split", "--size", "tiny"], "--size, --split plan the"),
         ("plan_tree_errors:alone", ["--budgets", "lots"], "cannot read the budget"),
+        (
+            "plan_tree_errors:alone",
+            ["--option", "s=LINEAR", "--no-options"],
+            "--option and --no-options contradict each other",
+        ),
     ],
 )
 def test_plan_factory_errors_are_one_line(target, extra, message, tmp_path, monkeypatch, capsys):
@@ -251,3 +259,5 @@ def test_plan_factory_errors_are_one_line(target, extra, message, tmp_path, monk
 def test_candidate_needs_a_target(capsys):
     assert cli_main(["plan", "--candidate", "encoder.*", "--quiet"]) == 2
     assert "--candidate picks the regions of a module:factory target" in capsys.readouterr().err
+    assert cli_main(["plan", "--no-options", "--quiet"]) == 2
+    assert "the reference models have none" in capsys.readouterr().err

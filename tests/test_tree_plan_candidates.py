@@ -9,6 +9,7 @@ tests/_tree_models.py.
 from __future__ import annotations
 
 import copy
+import fnmatch
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from _tree_models import (
 )
 from forget import TreePlan
 from forget import policies as policies_
-from forget.planning import TreePlanner
+from forget.planning import DEFAULT_OPTIONS, TreePlanner
 from forget.planning._tree_candidates import find_candidates, first_difference
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
@@ -119,7 +120,9 @@ def test_candidates_restrict_by_name_pattern_or_type():
     nodes = [n.name for n in planner.tree.root.children]
     assert nodes == [f"encoder.layers.{i}" for i in range(4)]
     plan = planner.plan("60%")
-    assert set(plan.choices) <= set(nodes) and plan.measured_peak_bytes <= plan.budget_bytes
+    assert plan.choices and plan.measured_peak_bytes <= plan.budget_bytes
+    # Only matched modules (the layers and, below them, their parts) are regions.
+    assert all(fnmatch.fnmatchcase(name, "encoder.layers.*") for name in plan.choices)
     by_type = TreePlanner(model, (), inputs, candidates=[Block, "encoder"], repeats=1)
     (encoder,) = by_type.tree.root.children
     assert encoder.name == "encoder"
@@ -149,6 +152,43 @@ def test_options_are_leaf_choices_measured_per_module():
     if "matmuls" in plan.choices.values():
         with pytest.raises(ValueError, match="options="):
             TreePlan.from_json(plan.to_json()).apply(copy.deepcopy(model))
+
+
+def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypatch):
+    # NOTE [default options], NOTE [tree figures].
+    from forget.planning import _tree_profile
+
+    measured: list[str] = []
+    real = _tree_profile._Alone.options
+
+    def counted(self, policies, repeats):
+        measured.append(self.forward.__self__.__class__.__name__)
+        return real(self, policies, repeats)
+
+    monkeypatch.setattr(_tree_profile._Alone, "options", counted)
+    model, inputs = _net()
+    planner = TreePlanner(model, (), inputs, candidates=[Block, "encoder", "head"], repeats=1)
+    assert planner.policies == dict(DEFAULT_OPTIONS)
+    encoder, head = planner.tree.root.children
+    assert not encoder.options  # it has candidates below it
+    assert not head.options  # a lone Linear: keeping only its matmul's output saves nothing
+    figures = {layer.options for layer in encoder.children}
+    assert len(figures) == 1  # four alike layers, one measurement
+    (options,) = figures
+    assert [o.name for o in options] == ["selective", "regenerate"]
+    assert all(o.held_bytes < encoder.children[0].own_bytes for o in options)
+    assert sorted(measured) == ["Block", "Linear"]
+    plan = planner.plan("80%")
+    assert set(plan.choices.values()) & {"selective", "regenerate"}  # partial keeps pay here
+    loaded = TreePlan.from_json(plan.to_json())  # the defaults come back by name
+    assert loaded.policies == dict(DEFAULT_OPTIONS)
+    planned = loaded.apply(copy.deepcopy(model))
+    loss, grads, _ = _step(planned, inputs)
+    loss0, grads0, _ = _step(copy.deepcopy(model), inputs)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
+    bare = TreePlanner(model, (), inputs, candidates=Block, options={}, repeats=1)
+    assert bare.policies == {} and not any(n.options for n in bare.tree.root.children)
+    assert set(bare.plan("80%").choices.values()) == {"forget"}
 
 
 # ------------------------------------------------------------------ copies and timing

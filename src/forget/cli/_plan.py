@@ -402,6 +402,14 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
+        "--no-options",
+        action="store_true",
+        help=(
+            "module:factory targets: plan with keep and forget alone, not the default "
+            "options (selective: keep matmul, attention and dropout outputs; regenerate)"
+        ),
+    )
+    p.add_argument(
         "--split",
         action="store_true",
         help=(
@@ -424,7 +432,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_mode(args: argparse.Namespace) -> None:
     """Refuse options of one mode given to the other: a chain's to a target, and back."""
+    if args.option and args.no_options:
+        raise ValueError("forget: --option and --no-options contradict each other; give one")
     if args.target is None:
+        if args.no_options:
+            raise ValueError(
+                "forget: --no-options turns off a module:factory target's default options; "
+                "the reference models have none (leave it out)"
+            )
         if args.candidate:
             raise ValueError(
                 "forget: --candidate picks the regions of a module:factory target's tree; "

@@ -89,7 +89,7 @@ def run(
                 step.kwargs,
                 loss_fn=step.loss_fn,
                 candidates=args.candidate or None,
-                options=options or None,
+                options={} if args.no_options else options or None,
                 repeats=args.repeats,
             )
             progress.update("profiled")
@@ -116,7 +116,7 @@ def run(
             f"peak {planner.plain_peak:,} B by the allocator ({planner.profile.probe}); "
             f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}"
         )
-        for name, policy in options.items():
+        for name, policy in planner.policies.items():
             print(f"option {name}: {policy}")
     for row in rows:
         print(f"\n{spec} @ {row.label}:")
@@ -329,6 +329,7 @@ def tree_json(
         "plain_step_s": plain_s,
         "min_feasible_bytes": planner.least(),
         "candidates": len(planner.tree) - 1,
+        "options": {name: str(policy) for name, policy in planner.policies.items()},
         "budgets": budgets,
         "measured": [
             {"choices": choices, "peak_bytes": peak, "predicted_extra_s": planner.extra_s(choices)}

@@ -32,10 +32,12 @@ from ._timing import ratio_range as ratio_range
 from ._timing import time_calls as time_calls
 from ._timing import time_rounds as time_rounds
 from ._timing import time_side_by_side as time_side_by_side
+from ._tree_plan import DEFAULT_OPTIONS as DEFAULT_OPTIONS
 from ._tree_plan import TreePlan as TreePlan
 from ._tree_planner import TreePlanner as TreePlanner
 
 __all__ = [
+    "DEFAULT_OPTIONS",
     "Plan",
     "PlannedSequential",
     "Planner",

@@ -171,7 +171,8 @@ def plan(
             a module tree is planned by the exact tree solver (``"optimal"``).
         options: name -> policy: partial keeps per stage (issue: selective
             recomputation), e.g. ``{"matmuls": save_outputs_of(*MATMUL)}``; for
-            a module tree, leaf options of every candidate module.
+            a module tree, the leaf options of its innermost candidates,
+            default `forget.planning.DEFAULT_OPTIONS` (``{}``: none).
         repeats: timing repeats per profiled figure.
         chain: figures from an earlier `profile_chain` of the same blocks and
             options (and ``split``), to skip profiling. Chains only.

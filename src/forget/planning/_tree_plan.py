@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
 
 from .. import schedules as P
-from ..policies import Policy
+from ..policies import ATTENTION, DROPOUT, LINEAR, Policy, regenerate, save_outputs_of
 from ..schedules import format_bytes
 from ._json import SavedAsJson
 from ._profile import _check_options
@@ -19,6 +20,18 @@ from ._tree_candidates import ROOT, first_difference
 from ._tree_step import LargerInputs, signature_of
 
 _FORMAT = "forget.tree_plan/1"
+
+#: The leaf options a module tree is planned with when ``options`` is not given
+#: (NOTE [default options] in `._tree_planner`): ``"selective"`` keeps the outputs
+#: of the matmuls, attention and dropout of a region and re-runs the rest (norms,
+#: activations, residual sums); ``"regenerate"`` keeps the module and rebuilds its
+#: activation, norm and dropout outputs in backward (`forget.policies.regenerate`).
+DEFAULT_OPTIONS: Mapping[str, Policy] = MappingProxyType(
+    {
+        "selective": save_outputs_of(*LINEAR, *ATTENTION, *DROPOUT),
+        "regenerate": regenerate(),
+    }
+)
 # Where an applied plan notes what it changed, on the model's instance dict (no state).
 _APPLIED = "_forget_tree_plan"
 
@@ -44,7 +57,10 @@ class TreePlan(SavedAsJson):
         tree: the candidate modules and the figures the solver planned on
             (`forget.schedules.Tree`).
         budget_bytes: the budget, in bytes.
-        measured_peak_bytes: the planned step's peak by the allocator (``probe``).
+        measured_peak_bytes: the planned step's peak by the allocator (``probe``),
+            as measured while planning: the first run of that assignment in the
+            process, so it holds what a first use allocates for good (kernel
+            and lookup-table caches, a few KiB); later steps read it or less.
         ledger_peak_bytes: the same step's peak by the tensor-storage ledger.
         plain_peak_bytes: the plain step's peak by the allocator.
         plain_ledger_peak_bytes: the plain step's peak by the ledger.
@@ -227,13 +243,18 @@ class TreePlan(SavedAsJson):
             "structure": [list(pair) for pair in self.structure],
             "input_sizes": [{k: list(v) for k, v in s.items()} for s in self.input_sizes],
             "option_names": list(self.option_names),
+            "default_options": dict(self.policies) == dict(DEFAULT_OPTIONS),
         }
 
     @classmethod
     def from_dict(
         cls, obj: Mapping[str, Any], *, options: Mapping[str, Policy | bool] | None = None
     ) -> TreePlan:
-        """Rebuild a plan from `to_dict`'s output; ``options`` gives the policies by name."""
+        """Rebuild a plan from `to_dict`'s output; ``options`` gives the policies by name.
+
+        A plan made with the default options (`DEFAULT_OPTIONS`) gets them back
+        when ``options`` is not given.
+        """
         if not isinstance(obj, Mapping) or obj.get("format") != _FORMAT:
             raise ValueError(f"forget: not a saved forget tree plan (format {_FORMAT!r} expected)")
         tree = obj["tree"]
@@ -255,7 +276,9 @@ class TreePlan(SavedAsJson):
                 for s in obj.get("input_sizes", ())
             ),
             option_names=tuple(obj.get("option_names", ())),
-            policies=_check_options(options),
+            policies=_check_options(
+                DEFAULT_OPTIONS if options is None and obj.get("default_options") else options
+            ),
         )
 
 

@@ -39,6 +39,20 @@ half of that model's planning time.
 The chosen one is measured on the ledger too, and the plan reports both
 peaks. A returned plan has ``measured_peak_bytes <= budget_bytes``, by the
 allocator, for the inputs it was planned with.
+
+NOTE [default options]: a plan of whole modules forgets whole layers, and
+layers alike cost alike, so on a transformer every such plan is some k layers
+forgotten, transformers' own ``every_n_layers`` or first-k choice at best.
+What pays is keeping part of a layer: its matmul and attention outputs
+(``"selective"``, re-running norms, activations and sums from them) or
+rebuilding its activations from what autograd keeps anyway (``"regenerate"``).
+So `DEFAULT_OPTIONS` offers both on the innermost candidates unless
+``options`` says otherwise. On the 4-layer models of
+benchmarks/tree_targets.py (benchmarks/measured.md) they brought a plan's
+overhead at 75 % of the plain peak to 0.22-0.52 of the best layer baseline's,
+where whole modules alone gave that baseline itself; measuring them (once per
+kind of layer) costs some 1 s of planning there. Offloading is no default:
+it runs on CUDA only, and no GPU has measured it in a plan yet.
 """
 
 from __future__ import annotations
@@ -59,7 +73,7 @@ from ._targets import untouched, zero_grads
 from ._timing import fastest_of, time_calls
 from ._tree_apply import applied
 from ._tree_candidates import ROOT, CandidateSpec, structure
-from ._tree_plan import TreePlan
+from ._tree_plan import DEFAULT_OPTIONS, TreePlan
 from ._tree_profile import profile_tree
 from ._tree_step import TreeLossFn, TreeStep, check_same_calls, samples_step, signature_of, traced
 
@@ -119,7 +133,9 @@ class TreePlanner:
         loss_fn: output -> scalar loss; default ``output.loss``, or the sum of a
             tensor output (`step_loss`).
         candidates: which submodules may be regions (NOTE [tree candidates]).
-        options: name -> policy, leaf options for every candidate.
+        options: name -> policy, the leaf options of the innermost candidates
+            (NOTE [tree figures]); default `DEFAULT_OPTIONS` (NOTE [default
+            options]); ``{}`` plans with keep and forget alone.
         repeats: timing repeats per figure.
         samples: batches to plan for instead of ``args``/``kwargs``: the
             largest is measured (`samples_step`).
@@ -148,7 +164,7 @@ class TreePlanner:
             tuple(args), dict(kwargs or {}), samples, signature_of(model)
         )
         self.step = TreeStep(model, step_args, step_kwargs, loss_fn)
-        self.policies = _check_options(options)
+        self.policies = _check_options(DEFAULT_OPTIONS if options is None else options)
         self.repeats = repeats
         self.sizes = tuple({k: tuple(v) for k, v in s.items()} for s in sizes)
         self.structure = tuple(structure(model))
