@@ -2,7 +2,7 @@
 
     python benchmarks/tree_plans.py [--models net,llama,bert,resnet] [--budgets 75%,50%,least]
 
-The models are those of tests/test_tree_plan.py (built from configs, no
+The models are those of tests/_tree_models.py (built from configs, no
 downloads): an encoder stack of our own, Hugging Face's Llama, BERT and ResNet
 (BatchNorm convolutions, whose workspaces the ledger does not see). Each is
 planned once per budget on a clock that runs nothing (bytes only); every

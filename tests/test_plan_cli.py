@@ -375,7 +375,7 @@ def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_pat
 
 def test_plan_of_a_module_that_is_no_chain_is_a_tree_plan():
     # forget.plan takes any module; one that is no chain is planned over its module
-    # tree (tests/test_tree_plan.py), and the same plan.apply(model) runs it.
+    # tree (tests/test_tree_plan*.py), and the same plan.apply(model) runs it.
     import torch
 
     import forget

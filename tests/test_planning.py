@@ -522,7 +522,7 @@ def test_fraction_needs_a_reference():
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "match"),
     [
-        # Any other module is planned as a module tree (tests/test_tree_plan.py); the
+        # Any other module is planned as a module tree (tests/test_tree_plan*.py); the
         # tree's own arguments are refused for a chain.
         (
             (nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2)),
