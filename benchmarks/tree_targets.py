@@ -2,7 +2,7 @@
 
     python benchmarks/tree_targets.py [--models llama,gpt2,bert,resnet]
         [--budgets 75%,50%,35%,least] [--rounds 15] [--threads 1]
-        [--options sel,regen] [--quick]
+        [--options default|none|sel,regen] [--quick]
 
 Models are built from configs here (no downloads): Llama, GPT-2 and BERT with
 hidden 256, 4 layers, sequence 128, batch 4, and a ResNet of four stages of
@@ -11,8 +11,10 @@ convolutions; transformers has no gradient checkpointing for it). Per model
 and budget, one row:
 
 * the plan: a fresh `forget.planning.TreePlanner` (what `forget.plan` runs,
-  with ``--options`` as its leaf options: ``sel`` keeps the outputs of
-  LINEAR, ATTENTION and DROPOUT ops, ``regen`` is `forget.policies.regenerate`)
+  with ``--options`` as its leaf options: by default forget's own,
+  `forget.planning.DEFAULT_OPTIONS`; ``none`` for keep and forget alone;
+  ``sel`` keeps the outputs of LINEAR, ATTENTION and DROPOUT ops, ``regen`` is
+  `forget.policies.regenerate`, the two defaults under their old names)
   planned for that budget; its wall time, against 30 plain steps; its step's
   peak over the budget, by the allocator (``probe="profiler"``);
 * the baselines, each run as a tree plan (the same engine, so only the choice
@@ -52,7 +54,7 @@ from torch import nn
 
 import forget
 from forget import policies as P
-from forget.planning import TreePlanner, ratio_range, time_calls
+from forget.planning import DEFAULT_OPTIONS, TreePlanner, ratio_range, time_calls
 
 _Key = tuple[tuple[str, str], ...]  # an assignment's (module, choice) pairs, sorted
 
@@ -311,19 +313,20 @@ def report(name: str, result: Result) -> None:
                 overheads[best[2]]
             ):
                 best = (kind, label, key)
-        ratio = spread = ""
+        ratio = range_text = ""
         if best is not None:
             below = statistics.median(overheads[best[2]])
             value = statistics.median(overheads[plan_key]) / below if below > 0 else math.nan
-            ratio, spread = f"{value:.2f}x", spread(overheads[plan_key], overheads[best[2]])
+            ratio = f"{value:.2f}x"
+            range_text = spread(overheads[plan_key], overheads[best[2]])
             if not value <= 0.9:
-                why.append(f"- {row.budget}: {_why(row, best, spread)}")
+                why.append(f"- {row.budget}: {_why(row, best, range_text)}")
         else:
             why.append(f"- {row.budget}: no baseline fits; the plan does")
         print(
             f"| {row.budget} | {row.budget_bytes:,} | "
             f"{result.peaks[plan_key] / row.budget_bytes:.3f} | {_pct(overheads[plan_key])} | "
-            f"{' | '.join(cells)} | {ratio} | {spread} | "
+            f"{' | '.join(cells)} | {ratio} | {range_text} | "
             f"{row.plan_s:.2f} ({row.plan_s / (30 * plain_s):.2f}x) | "
             f"{_choices_text(row.plan.choices)} |"
         )
@@ -337,7 +340,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--options", default="", help=f"comma-separated leaf options, of {', '.join(OPTIONS)}"
+        "--options",
+        default="default",
+        help=(
+            "default: forget.planning.DEFAULT_OPTIONS; none: keep and forget alone; or "
+            f"comma-separated leaf options, of {', '.join(OPTIONS)}"
+        ),
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
     args = parser.parse_args(argv)
@@ -345,7 +353,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    options = {name: OPTIONS[name] for name in args.options.split(",") if name}
+    options: Mapping[str, Any] = (
+        DEFAULT_OPTIONS
+        if args.options == "default"
+        else {name: OPTIONS[name] for name in args.options.split(",") if name and name != "none"}
+    )
     budgets = args.budgets.split(",")
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds")
     for name in args.models.split(","):
