@@ -12,15 +12,19 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
+from forget.engine import storage_of
 from forget.memory import (
+    Ledger,
     MemoryReport,
     SavedReport,
+    StorageRecord,
     _ledger,
     _measure,
     _saved,
     measure,
     region,
     saved,
+    watch,
 )
 
 F32 = 4  # bytes per float32 element
@@ -617,3 +621,31 @@ def test_frozen_heap_freezes_for_the_block_only_and_measure_still_frees_cycles()
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_ledger_records_say_what_made_each_storage_and_in_which_regions():
+    w = torch.randn(64, 32)
+    ledger = Ledger()
+    try:
+        with watch(ledger):
+            with region("outer"), region("inner"):
+                y = torch.mm(torch.randn(8, 64), w)
+            z = y.t()  # a view: the same storage, no new record
+        records = ledger.records()
+    finally:
+        ledger.close()
+    made = records[id(storage_of(y))]
+    assert isinstance(made, StorageRecord)
+    assert (made.op, made.counted, made.base) == ("aten.mm", 8 * 32 * F32, 0)
+    assert (made.shape, made.dtype, made.device, made.where) == (
+        (8, 32),
+        torch.float32,
+        "cpu",
+        "cpu",
+    )
+    assert made.regions == ("outer", "inner")
+    assert storage_of(z) is storage_of(y)
+    external = records[id(storage_of(w))]
+    assert (external.op, external.counted, external.regions) == ("", 0, ())
+    assert repr(made) == "StorageRecord(made by aten.mm, 1,024 B counted, cpu)"
+    assert repr(external) == "StorageRecord(external, 0 B counted, cpu)"

@@ -11,6 +11,7 @@ Other packages import the names below, never the underscore modules.
 """
 
 from ._ledger import Ledger as Ledger
+from ._ledger import StorageRecord as StorageRecord
 from ._ledger import region as region
 from ._ledger import watch as watch
 from ._measure import PROBES as PROBES
@@ -29,6 +30,7 @@ __all__ = [
     "RegionStats",
     "SavedReport",
     "SavedTensor",
+    "StorageRecord",
     "frozen_heap",
     "measure",
     "region",

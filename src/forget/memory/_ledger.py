@@ -46,15 +46,29 @@ class _Entry:
         self.open = True
 
 
-class _Record:
-    """A storage the ledger has seen: its counted bytes and how to forget it."""
+class StorageRecord:
+    """What the ledger knows of one storage it has seen (`Ledger.records`).
+
+    Attributes:
+        op: the aten op whose output it first was (``"aten.mm"``), or ``""`` for
+            a storage made before the call (a parameter, an input: external,
+            never counted).
+        counted: the bytes it adds to the live total now (its ``nbytes()`` for
+            a storage the call made; an external one's growth by ``resize_``).
+        base: the bytes it had before the call (0 if the call made it).
+        shape, dtype: those of the first tensor seen on it.
+        device: the device type (``"cpu"``, ``"cuda"``); ``where`` the full
+            device (``"cuda:0"``) of a storage the call made.
+        regions: the names of the regions (`region`, a ledger entry) open when
+            it was made, outermost first.
+    """
 
     __slots__ = (
+        "_entries",
         "base",
         "counted",
         "device",
         "dtype",
-        "entries",
         "finalizer",
         "op",
         "shape",
@@ -70,15 +84,23 @@ class _Record:
         shape: tuple[int, ...] = (),
         dtype: torch.dtype = torch.uint8,
     ) -> None:
-        self.base = base  # bytes it had before the call (0 if made in it)
+        self.base = base
         self.counted = 0
         self.device = device
-        self.op = op  # the op that made it, or "" if external
-        self.entries = entries
-        self.shape = shape  # of the first tensor seen on it
+        self.op = op
+        self._entries = entries  # the open entries it counts in, for region figures
+        self.shape = shape
         self.dtype = dtype
-        self.where = device  # the full device ("cuda:0"), set for storages made in the call
+        self.where = device
         self.finalizer: weakref.finalize[..., Any] | None = None
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self._entries)
+
+    def __repr__(self) -> str:
+        made = f"made by {self.op}" if self.op else "external"
+        return f"StorageRecord({made}, {self.counted:,} B counted, {self.where})"
 
 
 class _Active(threading.local):
@@ -97,7 +119,7 @@ class Ledger(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._lock = threading.RLock()
-        self._records: dict[int, _Record] = {}
+        self._records: dict[int, StorageRecord] = {}
         self.live = 0
         self.peak = 0
         self.live_by_device: dict[str, int] = {}
@@ -114,7 +136,7 @@ class Ledger(TorchDispatchMode):
     def _see_input(self, s: torch.UntypedStorage) -> None:
         key = id(s)
         if key not in self._records:
-            rec = _Record(s.nbytes(), s.device.type, "", ())
+            rec = StorageRecord(s.nbytes(), s.device.type, "", ())
             self._records[key] = rec
             rec.finalizer = self._finalize(s, key)
 
@@ -123,7 +145,9 @@ class Ledger(TorchDispatchMode):
         rec = self._records.get(key)
         if rec is None:
             shape, dtype = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ((), None)
-            rec = _Record(0, s.device.type, op, tuple(self._entries), shape, dtype or torch.uint8)
+            rec = StorageRecord(
+                0, s.device.type, op, tuple(self._entries), shape, dtype or torch.uint8
+            )
             rec.where = str(s.device)
             self._records[key] = rec
             rec.finalizer = self._finalize(s, key)
@@ -136,12 +160,12 @@ class Ledger(TorchDispatchMode):
         f.atexit = False
         return f
 
-    def _add(self, rec: _Record, delta: int, backward: bool) -> None:
+    def _add(self, rec: StorageRecord, delta: int, backward: bool) -> None:
         rec.counted += delta
         self.live += delta
         dev = rec.device
         self.live_by_device[dev] = self.live_by_device.get(dev, 0) + delta
-        for e in rec.entries:
+        for e in rec._entries:
             if e.open:
                 e.allocated += delta
         if delta <= 0:
@@ -164,12 +188,16 @@ class Ledger(TorchDispatchMode):
                 return
             self.live -= rec.counted
             self.live_by_device[rec.device] -= rec.counted
-            for e in rec.entries:
+            for e in rec._entries:
                 if e.open:
                     e.freed += rec.counted
 
-    def records(self) -> dict[int, _Record]:
-        """id of each live storage seen -> its record (a copy of the table)."""
+    def records(self) -> dict[int, StorageRecord]:
+        """``id`` of each live storage seen -> its `StorageRecord` (a copy of the table).
+
+        The records are the ledger's own, updated as the call goes on; read them,
+        do not change them.
+        """
         with self._lock:
             return dict(self._records)
 

@@ -54,7 +54,7 @@ from torch.utils import _pytree as pytree
 
 from .. import schedules as P
 from ..engine import storage_of
-from ..memory import Ledger, measure, watch
+from ..memory import Ledger, StorageRecord, measure, watch
 from ..policies import Policy
 from ._profile import _region_overhead_s
 from ._targets import untouched, zero_grads
@@ -205,10 +205,10 @@ def _attribute(
     ledger = Ledger()
     entries: dict[str, list[Any]] = {n: [] for n in names}
     # Ledger records (held, so their ids stay theirs) of made storages taken / returned.
-    taken: dict[str, dict[int, tuple[Any, int]]] = {n: {} for n in names}
-    returned: dict[str, dict[int, Any]] = {n: {} for n in names}
+    taken: dict[str, dict[int, tuple[StorageRecord, int]]] = {n: {} for n in names}
+    returned: dict[str, dict[int, StorageRecord]] = {n: {} for n in names}
 
-    def made(value: Any) -> list[tuple[Any, int]]:
+    def made(value: Any) -> list[tuple[StorageRecord, int]]:
         records = ledger.records()
         out = []
         for leaf in pytree.tree_leaves(value):
@@ -259,7 +259,7 @@ def _attribute(
         if key in users:
             owner = _innermost(users[key], parent)
         else:
-            inside = [e.name for e in rec.entries if e.name in own]
+            inside = [name for name in rec.regions if name in own]
             owner = inside[-1] if inside else ROOT
             while owner != ROOT and key in returned[owner]:
                 owner = parent[owner]
