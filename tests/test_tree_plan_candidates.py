@@ -216,3 +216,30 @@ def test_an_assignment_holding_another_fitting_one_and_more_is_not_timed(fixed_c
     assert fixed_clock.calls == calls  # one candidate left: nothing timed
     planner._fastest([(two, 10), ({"layers.2": "forget"}, 20), (one, 20)])
     assert fixed_clock.calls > calls  # two of them: timed side by side
+
+
+def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(fixed_clock):
+    # NOTE [tree plans measured]: 1,000 frontier points 1/1000 of the plain peak apart,
+    # each measured 50 points' worth above its prediction.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    plain, n = planner.plain_peak, 1000
+    predicted = [plain * i // n for i in range(n)]
+    planner.frontier = [(p, 0.0) for p in predicted]
+    measured: list[int] = []
+
+    def true_peak(i: int) -> int:
+        return predicted[i] + 50 * plain // n
+
+    def peak(choices):
+        measured.append(int(choices["at"]))
+        return true_peak(measured[-1])
+
+    planner.choices_at = lambda i: {"at": str(i)}  # type: ignore[method-assign]
+    planner.peak = peak  # type: ignore[method-assign]
+    budget = plain // 2
+    planner._search(budget)
+    lo = max(i for i in measured if true_peak(i) <= budget)
+    hi = min(i for i in measured if true_peak(i) > budget)
+    assert 0 < predicted[hi] - predicted[lo] <= plain // 128  # stopped within the resolution
+    assert hi - lo > 1  # before the points were adjacent
+    assert len(measured) <= 10
