@@ -31,6 +31,7 @@ from forget import TreePlan
 from forget import policies as policies_
 from forget.planning import DEFAULT_OPTIONS, TreePlanner
 from forget.planning._tree_candidates import find_candidates, first_difference
+from forget.planning._tree_planner import _key
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 
@@ -244,3 +245,43 @@ def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(
     assert hi - lo > 1  # before the points were adjacent (491, then 490, would follow)
     # Down from the predicted point, doubling, then one halving.
     assert measured == [500, 499, 497, 493, 485, 489]
+
+
+def test_one_region_fewer_is_measured_where_the_model_missed_a_fit(fixed_clock):
+    # NOTE [one region fewer]: regions a, b, c; the model thinks dropping any of
+    # them overshoots the budget of 100, but without b the step measures 99.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    best = {"a": "forget", "b": "forget", "c": "forget"}
+
+    def without(*names: str) -> frozenset[str]:
+        return frozenset(best) - set(names)
+
+    predicted = {without(): 90, without("a"): 110, without("b"): 105, without("c"): 101}
+    true = {without(): 90, without("a"): 130, without("b"): 99, without("c"): 101}
+    measured: list[frozenset[str]] = []
+
+    def peak(choices):
+        measured.append(frozenset(choices))
+        planner.measured[_key(choices)] = (dict(choices), true.get(frozenset(choices), 200))
+        return planner.measured[_key(choices)][1]
+
+    planner.predicted_peak = lambda c: predicted.get(frozenset(c), 150)  # type: ignore[method-assign]
+    planner.extra_s = lambda c: float(len(c))  # type: ignore[method-assign]
+    planner.peak = peak  # type: ignore[method-assign]
+    planner.measured = {(): ({}, 300), (("a", "forget"),): ({"a": "forget"}, 120)}
+    planner._drop_regions(100)
+    assert measured == []  # every miss near 100 was foreseen (a alone: predicted 150)
+    planner.measured[_key(best)] = (best, 90)
+    planner.measured[(("x", "forget"),)] = ({"x": "forget"}, 120)  # predicted 150: foreseen
+    planner._drop_regions(100)
+    assert measured == []
+    planner.measured[(("y", "forget"),)] = ({"y": "forget"}, 120)
+    predicted[frozenset({"y"})] = 95  # a miss the model predicted to fit
+    planner._drop_regions(100)
+    # Lowest predicted peak first: without c (101, misses), without b (105, fits); then
+    # from {a, c}: {a} was measured before, {c} misses, and the walk ends.
+    assert measured == [without("c"), without("b"), frozenset("c")]
+    assert min((c for c, p in planner.measured.values() if c and p <= 100), key=len) == {
+        "a": "forget",
+        "c": "forget",
+    }
