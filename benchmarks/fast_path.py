@@ -18,19 +18,21 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
+from torch import Tensor
 
 import forget
 from forget.models import MODEL_NAMES, build_model
 
 
-def _torch(block, h):
+def _torch(block: Callable[[Tensor], Tensor], h: Tensor) -> Tensor:
     return torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
 
 
-def _forget(block, h):
+def _forget(block: Callable[[Tensor], Tensor], h: Tensor) -> Tensor:
     return forget.checkpoint(block, h)
 
 

@@ -231,7 +231,9 @@ def bench_model(
         }
 
     checks = _grad_checks({v: functools.partial(grads, v) for v in VARIANTS})
-    peaks = {v: peak_bytes(lambda v=v: (prepare(v), step(v)), device) for v in VARIANTS}
+    peaks = {
+        v: peak_bytes(functools.partial(_prepared, prepare, step, v), device) for v in VARIANTS
+    }
     steps = {v: functools.partial(step, v) for v in VARIANTS}
     times = time_steps(steps, repeats, prepare=prepare, event=_events(device))
     return [Row(name, v, peaks[v], statistics.median(times[v]), checks[v]) for v in VARIANTS]
@@ -255,7 +257,9 @@ def bench_launch(size: str, repeats: int, device: torch.device, seed: int = 0) -
         return {"x": None if x.grad is None else x.grad.clone()}
 
     checks = _grad_checks({v: functools.partial(grads, v) for v in VARIANTS})
-    peaks = {v: peak_bytes(lambda v=v: (prepare(v), step(v)), device) for v in VARIANTS}
+    peaks = {
+        v: peak_bytes(functools.partial(_prepared, prepare, step, v), device) for v in VARIANTS
+    }
     rounds = _bench_launch.ROUNDS_PER_REPEAT * repeats
     steps = {v: functools.partial(step, v) for v in VARIANTS}
     times = time_steps(steps, rounds, prepare=prepare, event=_events(device))
@@ -271,6 +275,14 @@ def bench_launch(size: str, repeats: int, device: torch.device, seed: int = 0) -
         )
         for v in VARIANTS
     ]
+
+
+def _prepared(
+    prepare: Callable[[str], object], step: Callable[[str], object], variant: str
+) -> None:
+    """One step of ``variant`` after its preparation (as the timed steps run)."""
+    prepare(variant)
+    step(variant)
 
 
 def _grad_checks(

@@ -58,16 +58,18 @@ def _hf(name: str) -> tuple[nn.Module, dict[str, Any]]:
     import transformers as tf
 
     ids = torch.randint(1, 64, (4, 64 if name == "bert" else 32))
-    text = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+    text: dict[str, Any] = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                 num_attention_heads=4, vocab_size=64, max_position_embeddings=64)  # fmt: skip
+    config: Any
     if name == "llama":
         config = tf.LlamaConfig(**text, num_key_value_heads=2, use_cache=False)
         return tf.LlamaForCausalLM(config).train(), {"input_ids": ids, "labels": ids}
     if name == "bert":
         config = tf.BertConfig(**text, pad_token_id=0)
         return tf.BertForMaskedLM(config).train(), {"input_ids": ids, "labels": ids}
-    config = tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
-                             depths=[2, 2], layer_type="basic", num_labels=3)  # fmt: skip
+    sizes: dict[str, Any] = dict(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                 depths=[2, 2], layer_type="basic", num_labels=3)  # fmt: skip
+    config = tf.ResNetConfig(**sizes)
     x = torch.randn(8, 3, 32, 32)
     return tf.ResNetForImageClassification(config).train(), {
         "pixel_values": x,
