@@ -168,17 +168,23 @@ def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypa
 
     monkeypatch.setattr(_tree_profile._Alone, "options", counted)
     model, inputs = _net()
-    planner = TreePlanner(model, (), inputs, candidates=[Block, "encoder", "head"], repeats=1)
+    candidates = [Block, "encoder", "encoder.norm", "head"]
+    planner = TreePlanner(model, (), inputs, candidates=candidates, repeats=1)
     assert planner.policies == dict(DEFAULT_OPTIONS)
     encoder, head = planner.tree.root.children
     assert not encoder.options  # it has candidates below it
     assert not head.options  # a lone Linear: keeping only its matmul's output saves nothing
-    figures = {layer.options for layer in encoder.children}
+    *layers, norm = encoder.children
+    # A lone LayerNorm has no matmul: a selective region keeps no more than forgetting
+    # it (its mean and rstd are spared alike); regenerating its output, which it
+    # returns anyway, spares nothing.
+    assert norm.options == ()
+    figures = {layer.options for layer in layers}
     assert len(figures) == 1  # four alike layers, one measurement
     (options,) = figures
     assert [o.name for o in options] == ["selective", "regenerate"]
-    assert all(o.held_bytes < encoder.children[0].own_bytes for o in options)
-    assert sorted(measured) == ["Block", "Linear"]
+    assert all(o.held_bytes < layers[0].own_bytes for o in options)
+    assert sorted(measured) == ["Block", "LayerNorm", "Linear"]
     plan = planner.plan("80%")
     assert set(plan.choices.values()) & {"selective", "regenerate"}  # partial keeps pay here
     loaded = TreePlan.from_json(plan.to_json())  # the defaults come back by name

@@ -36,8 +36,11 @@ only (the layers, stems and heads; no candidate below them): an option fixes
 its node's whole subtree, which the children's own options nearly compose
 (one region instead of one per child), while timing it costs a run of the
 whole subtree: on a 4-layer Llama the decoder stack's options took half the
-options' time. Alike modules are measured once; an option that saves nothing
-over keeping is not offered (keeping does as well at no extra time).
+options' time. Alike modules are measured once. An option that saves nothing
+over keeping is not offered (keeping does as well at no extra time), nor a
+policy region that keeps no more than a forgotten one (a selective keep of
+matmul outputs around a convolution block or a norm: forgetting does as well,
+on the faster path).
 """
 
 from __future__ import annotations
@@ -411,22 +414,39 @@ class _Alone:
         self.clear()
         return measure(self.run, policy).end_bytes
 
+    def forgotten_bytes(self) -> int:
+        """Bytes alive after the forward alone run as a forgotten region (its outputs)."""
+        self.clear()
+        return measure(run_option, self.forward, self.args, self.kwargs, None).end_bytes
+
     def options(self, policies: Mapping[str, Policy], repeats: int) -> dict[str, tuple[int, float]]:
         """Per option, the bytes it saves fewer than keeping and the seconds it adds to a step.
 
         An option that saves nothing is left out: keeping does as well at no extra
-        time. The others are timed side by side against the plain step
-        (`_median_differences`).
+        time. So is a policy region that keeps no more than a forgotten one (a
+        ``"selective"`` keep of matmul outputs on a convolution block): it re-runs
+        as much, through the slower policy path. The others are timed side by
+        side against the plain step (`_median_differences`).
         """
+        held = {name: self.saved_bytes(p) for name, p in policies.items()}
         kept = self.saved_bytes(None)
-        saves = {name: max(0, kept - self.saved_bytes(p)) for name, p in policies.items()}
+        forgotten: int | None = None
+        offered = []
+        for name, policy in policies.items():
+            if held[name] >= kept:
+                continue
+            if not policy.regenerate:
+                if forgotten is None:
+                    forgotten = self.forgotten_bytes()
+                if held[name] <= forgotten:
+                    continue
+            offered.append(name)
         timers = {
             name: _step_timer(functools.partial(self.loss, policies[name]), self.clear)
-            for name, s in saves.items()
-            if s > 0
+            for name in offered
         }
         if not timers:
             return {}
         base = _step_timer(functools.partial(self.loss, None), self.clear)
         extra = _median_differences(timers, base, repeats)
-        return {name: (saves[name], extra[name]) for name in timers}
+        return {name: (kept - held[name], extra[name]) for name in timers}
