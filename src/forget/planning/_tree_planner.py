@@ -25,8 +25,9 @@ point the model predicts to fit (a step up after a fit, down after a miss,
 doubling, then halving once both sides are known, until a fitting and a
 missing point are predicted within 1/128 of the plain peak of each other:
 the ResNet of benchmarks/tree_targets.py has 134 frontier points a median
-0.3 % of its peak apart, and the last halvings there bought under 1 %). Every assignment measured
-so far whose peak fits the budget is a candidate, those of earlier budgets
+0.3 % of its peak apart, and a finer step there trades under 0.8 % of the
+peak for a measured step each). Every assignment measured so far whose peak
+fits the budget is a candidate, those of earlier budgets
 included (NOTE [monotone in the budget]), except one whose choices hold
 another fitting one's and more: it re-runs all that one re-runs and more, so
 it is not faster, and timing it would cost planning steps (where the plain
@@ -36,10 +37,10 @@ side by side, and the fastest measured wins (`fastest_of`: the predicted
 fastest unless another is consistently faster). The cost model's extra times
 rank well enough to leave the others untimed: on the 4-layer Llama of
 benchmarks/tree_targets.py, four fitting assignments were predicted to add
-4.6, 21.4, 32.8 and 44.8 ms to a 126 ms step and measured about 4, 21, 29 and
-37 ms (seven interleaved rounds), in the same order. Timing all of them was
-half of that model's planning time.
-The chosen one is measured on the ledger too, and the plan reports both
+4.6, 21.4, 32.8 and 44.8 ms to a step of about 126 ms, and their steps
+measured 130.0, 146.8, 153.9 and 162.7 ms (medians of seven interleaved
+rounds), in the same order. Timing all of them was half of that model's
+planning time. The chosen one is measured on the ledger too, and the plan reports both
 peaks. A returned plan has ``measured_peak_bytes <= budget_bytes``, by the
 allocator, for the inputs it was planned with.
 
