@@ -268,8 +268,16 @@ def _why(row: Row, best: tuple[str, str, _Key], spread: str) -> str:
         )
     fit = {k for k, (_, peak) in row.planner.measured.items() if peak <= row.budget_bytes}
     seen = "measured it, fitting" if key in fit else "never measured it"
-    low, _, high = spread.partition("-")
-    if spread != "n/a" and float(low) <= 1.0 <= float(high):
+    bounds = re.fullmatch(r"(-?[\d.]+)-(-?[\d.]+)", spread)
+    if bounds is None:
+        return f"no range for the ratio ({spread}); the planner {seen}"
+    low, high = float(bounds.group(1)), float(bounds.group(2))
+    if high < 1.0:
+        return (
+            f"the plan is faster than {kind} {label} beyond the noise (the range {spread} "
+            "lies below 1.00), if by less than a tenth"
+        )
+    if low <= 1.0:
         return (
             f"the plan and {kind} {label} differ by less than the noise (the range "
             f"{spread} covers 1.00); the planner {seen}"
