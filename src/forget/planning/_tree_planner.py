@@ -68,11 +68,12 @@ What pays is keeping part of a layer: its matmul and attention outputs
 (``"selective"``, re-running norms, activations and sums from them) or
 rebuilding its activations from what autograd keeps anyway (``"regenerate"``).
 So `DEFAULT_OPTIONS` offers both on the innermost candidates unless
-``options`` says otherwise. On the 4-layer models of
+``options`` says otherwise. On the 4-layer transformers of
 benchmarks/tree_targets.py (benchmarks/measured.md) they brought a plan's
-overhead at 75 % of the plain peak to 0.22-0.52 of the best layer baseline's,
-where whole modules alone gave that baseline itself; measuring them (once per
-kind of layer) costs some 1 s of planning there. Offloading is no default:
+overhead to at most 0.65 of the best layer baseline's at 75 % of the plain
+peak and 0.56 to 0.90 at 50 %, where whole modules alone gave that baseline
+itself (1.00); measuring them, once per kind of layer, costs about a second
+of planning there. Offloading is no default:
 it runs on CUDA only, and no GPU has measured it in a plan yet.
 """
 
