@@ -72,8 +72,8 @@ So `DEFAULT_OPTIONS` offers both on the innermost candidates unless
 benchmarks/tree_targets.py (benchmarks/measured.md) they brought a plan's
 overhead to at most 0.65 of the best layer baseline's at 75 % of the plain
 peak and 0.56 to 0.90 at 50 %, where whole modules alone gave that baseline
-itself (1.00); measuring them, once per kind of layer, costs about a second
-of planning there. Offloading is no default:
+itself (1.00); measuring them, once per kind of layer, adds half a second to
+a second to planning there. Offloading is no default:
 it runs on CUDA only, and no GPU has measured it in a plan yet.
 """
 
