@@ -922,3 +922,16 @@ def test_joined_plain_callables_are_not_pooled_as_alike():
         described, torch.ones(4), stage
     )
     assert torch.equal(joined(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 4.0]))
+
+
+def test_time_calls_warms_up_once_unless_told_the_calls_ran_before(fixed_clock):
+    prepared: list[str] = []
+    calls = {"a": lambda: None, "b": lambda: None}
+    before = fixed_clock.calls
+    rounds = planning.time_calls(calls, 3, prepare=prepared.append)
+    assert {k: len(v) for k, v in rounds.items()} == {"a": 3, "b": 3}
+    assert fixed_clock.calls - before == 8 and len(prepared) == 8  # a warm-up round first
+    before = fixed_clock.calls
+    rounds = planning.time_calls(calls, 3, prepare=prepared.append, warm_up=False)
+    assert {k: len(v) for k, v in rounds.items()} == {"a": 3, "b": 3}
+    assert fixed_clock.calls - before == 6 and len(prepared) == 14

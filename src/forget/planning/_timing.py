@@ -89,11 +89,13 @@ def time_calls(
     repeats: int,
     *,
     prepare: Callable[[K], object] | None = None,
+    warm_up: bool = True,
 ) -> dict[K, list[float]]:
     """Wall times of each call, round by round, timed side by side.
 
-    One warm-up round, then ``repeats`` rounds, each running every call once,
-    so machine noise hits all alike: the ``r``-th time of every call comes from
+    One warm-up round (unless ``warm_up`` is false: every call ran before in
+    the process), then ``repeats`` rounds, each running every call once, so
+    machine noise hits all alike: the ``r``-th time of every call comes from
     the same round. The order is shuffled each round (seeded): a call timed
     right after a larger one pays for memory the allocator hands back, which a
     fixed order would charge to the same call every round. ``prepare(key)``
@@ -107,13 +109,13 @@ def time_calls(
     times: dict[K, list[float]] = {key: [] for key in calls}
     order = list(calls)
     rng = random.Random(0)
-    for round_ in range(repeats + 1):
+    for round_ in range(repeats + 1 if warm_up else repeats):
         rng.shuffle(order)
         for key in order:
             if prepare is not None:
                 prepare(key)
             seconds = elapsed(calls[key])
-            if round_:
+            if round_ or not warm_up:
                 times[key].append(seconds)
     return times
 

@@ -23,7 +23,9 @@ forgetting the last layer lowers the peak at the loss's backward), so the
 least feasible budget is the least peak measured of any assignment, not the
 frontier's first. Then, per budget, a search along the frontier from the
 point the model predicts to fit (a step up after a fit, down after a miss,
-doubling, then halving once both sides are known, until a fitting and a
+doubling, and down at least to the last point predicted to fit were it
+mispredicted as the missing one was; then halving once both sides are
+known, until a fitting and a
 missing point are predicted within 1/128 of the plain peak of each other:
 the ResNet of benchmarks/tree_targets.py has 134 frontier points a median
 0.3 % of its peak apart, and a finer step there trades under 0.8 % of the
@@ -264,10 +266,14 @@ class TreePlanner:
         i = min(max(bisect_right(predicted, budget_bytes) - 1, 0), hi - 1)
         step = 1
         for _ in range(_MAX_PROBES):
-            if self.peak(self.choices_at(i)) <= budget_bytes:
+            peak = self.peak(self.choices_at(i))
+            if peak <= budget_bytes:
                 lo, nxt = i, i + step
             else:
-                hi, nxt = i, i - step
+                # The points below likely miss by as much as this one did: step at least
+                # past the last one predicted to fit with that error.
+                corrected = bisect_right(predicted, budget_bytes - (peak - predicted[i])) - 1
+                hi, nxt = i, min(i - step, corrected)
             step *= 2
             known = lo >= 0 and hi < len(predicted)
             if hi - lo <= 1 or (
@@ -320,7 +326,10 @@ class TreePlanner:
         def time(indices: Sequence[int]) -> dict[int, list[float]]:
             calls = {i: functools.partial(self._run_under, candidates[i][0]) for i in indices}
             with untouched(target):
-                return time_calls(calls, self.repeats, prepare=lambda _: zero_grads(target))
+                # Every candidate ran when it was measured: its regions are warm.
+                return time_calls(
+                    calls, self.repeats, prepare=lambda _: zero_grads(target), warm_up=False
+                )
 
         return candidates[fastest_of(time, len(candidates))]
 
