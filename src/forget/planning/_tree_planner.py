@@ -72,8 +72,8 @@ rebuilding its activations from what autograd keeps anyway (``"regenerate"``).
 So `DEFAULT_OPTIONS` offers both on the innermost candidates unless
 ``options`` says otherwise. On the 4-layer transformers of
 benchmarks/tree_targets.py (benchmarks/measured.md) they brought a plan's
-overhead to at most 0.65 of the best layer baseline's at 75 % of the plain
-peak and 0.56 to 0.90 at 50 %, where whole modules alone gave that baseline
+overhead to 0.22-0.64 of the best layer baseline's at 75 % of the plain
+peak and 0.71-0.99 at 50 %, where whole modules alone gave that baseline
 itself (1.00); measuring them, once per kind of layer, adds half a second to
 a second to planning there. Offloading is no default:
 it runs on CUDA only, and no GPU has measured it in a plan yet.
