@@ -27,7 +27,8 @@ MLP's peak. Peaks differ where one probe sees what the other cannot:
   when its address once belonged to a block another profiled call left alive,
   and unreported otherwise: the same step read 3,161,088 B lower on its second
   profiled run than on its first (the gradients the first had made), and a doc
-  example failed one suite run in four on an address reused by chance. So the
+  example failed one suite run in four, most likely on an address reused by
+  chance (it has not failed since the change). So the
   probe matches each free to an allocation of this call by address (the
   profiler's event tree carries it) and drops the rest.
 * The CUDA caching allocator (``probe="cuda"`` and the profiler on CUDA)
