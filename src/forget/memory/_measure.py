@@ -28,9 +28,9 @@ MLP's peak. Peaks differ where one probe sees what the other cannot:
   and unreported otherwise: the same step read 3,161,088 B lower on its second
   profiled run than on its first (the gradients the first had made), and a doc
   example failed one suite run in four, most likely on an address reused by
-  chance (it has not failed since the change). So the
-  probe matches each free to an allocation of this call by address (the
-  profiler's event tree carries it) and drops the rest.
+  chance (it has not failed since the change). So the probe matches each free
+  to an allocation of this call by address (the profiler's event tree carries
+  it) and drops the rest.
 * The CUDA caching allocator (``probe="cuda"`` and the profiler on CUDA)
   rounds each block up to a multiple of 512 bytes; the ledger counts ``nbytes``.
 
