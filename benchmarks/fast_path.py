@@ -13,10 +13,10 @@ benchmarks/measured.md.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -71,8 +71,10 @@ def ratios(name: str, rounds: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("rounds", nargs="?", type=int, default=30, help="rounds (default 30)")
+    rounds = parser.parse_args(argv).rounds
     for name in MODEL_NAMES:
         r = ratios(name, rounds)
         print(f"{name:13s} fast/torch {r['fast']:.3f}  exact/torch {r['exact']:.3f}")
