@@ -141,15 +141,9 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
     with profile(activities=activities, profile_memory=True) as prof:
         result = fn(*args, **kwargs)
         gc.collect()
-    results = prof.profiler.kineto_results  # type: ignore[union-attr]
-    spans = _merge(
-        [
-            (e.start_ns(), e.end_ns())
-            for e in results.events()
-            if e.name().startswith("autograd::engine::evaluate_function")
-        ]
-    )
-    memory = _made_and_freed(results.experimental_event_tree())
+    tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
+    memory, backward = _read_tree(tree)
+    spans = _merge(backward)
     first_backward = spans[0][0] if spans else None
     live = peak = forward_peak = backward_peak = 0
     live_by_device: dict[str, int] = {}
@@ -191,15 +185,20 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
     )
 
 
-def _made_and_freed(roots: list[Any]) -> list[tuple[int, int, int, str]]:
-    """The allocations of the profiled call and the frees of those, in time order.
+def _read_tree(
+    roots: list[Any],
+) -> tuple[list[tuple[int, int, int, str]], list[tuple[int, int]]]:
+    """The profiled call's allocations and frees of those, and its backward spans.
 
-    As ``(time_ns, order, nbytes, device type)``, frees negative; a free of a block
-    the call did not make is dropped (NOTE [the two probes]).
+    Memory as ``(time_ns, order, nbytes, device type)`` in time order, frees
+    negative; a free of a block the call did not make is dropped (NOTE [the two
+    probes]). Spans as ``(start_ns, end_ns)`` of autograd's evaluate_function
+    events, one per node backward ran.
     """
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int, int, str, tuple[str, int, int]]] = []
+    spans: list[tuple[int, int]] = []
     stack = list(reversed(roots))
     while stack:  # depth first, in the tree's order: events of one instant stay in order
         node = stack.pop()
@@ -209,6 +208,8 @@ def _made_and_freed(roots: list[Any]) -> list[tuple[int, int, int, str]]:
             dev = f.device.type
             block = (dev, f.device.index or 0, f.ptr)
             events.append((node.start_time_ns, len(events), f.alloc_size, dev, block))
+        elif node.name.startswith("autograd::engine::evaluate_function"):
+            spans.append((node.start_time_ns, node.end_time_ns))
     events.sort()
     made: dict[tuple[str, int, int], int] = {}
     memory: list[tuple[int, int, int, str]] = []
@@ -218,7 +219,7 @@ def _made_and_freed(roots: list[Any]) -> list[tuple[int, int, int, str]]:
         elif made.pop(block, None) is None:
             continue
         memory.append((t, order, nbytes, dev))
-    return memory
+    return memory, spans
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
