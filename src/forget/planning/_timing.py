@@ -23,17 +23,24 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(elapsed(fn) for _ in range(repeats))
 
 
-def _step_timer(forward: Callable[[], Any], clear: Callable[[], None]) -> Callable[[], float]:
-    """Time one forward and backward (gradient of ones) of ``forward``."""
-
-    def timed() -> float:
-        clear()
-        return elapsed(step)
+def _step_of(forward: Callable[[], Any]) -> Callable[[], None]:
+    """One forward and backward (gradient of ones) of ``forward``."""
 
     def step() -> None:
         y = forward()
         if isinstance(y, Tensor) and y.requires_grad:
             y.backward(torch.ones_like(y))
+
+    return step
+
+
+def _step_timer(forward: Callable[[], Any], clear: Callable[[], None]) -> Callable[[], float]:
+    """Time one forward and backward (gradient of ones) of ``forward``."""
+    step = _step_of(forward)
+
+    def timed() -> float:
+        clear()
+        return elapsed(step)
 
     return timed
 
@@ -44,35 +51,6 @@ def _alternating_median_difference(
     """Median of ``a() - b()`` over pairs run back to back (noise hits both alike), >= 0."""
     a(), b()  # warm up
     return max(0.0, statistics.median(a() - b() for _ in range(max(3, repeats))))
-
-
-def _median_differences(
-    timers: Mapping[K, Callable[[], float]], base: Callable[[], float], repeats: int
-) -> dict[K, float]:
-    """Each timer's median, over rounds, of its time less ``base``'s in that round, >= 0.
-
-    A warm-up round, then ``max(3, repeats)`` rounds, each running ``base`` and
-    every timer once in a shuffled (seeded) order, so noise hits all alike and
-    several timers share one base: ``n`` of them cost ``n + 1`` runs a round,
-    where `_alternating_median_difference` per timer costs ``2n``.
-
-    Example:
-        >>> _median_differences({"slow": lambda: 3.0}, lambda: 1.0, 3)
-        {'slow': 2.0}
-    """
-    base_key = object()
-    runs: dict[object, Callable[[], float]] = {base_key: base}
-    runs.update(timers.items())
-    order = list(runs)
-    rng = random.Random(0)
-    differences: dict[K, list[float]] = {key: [] for key in timers}
-    for r in range(max(3, repeats) + 1):
-        rng.shuffle(order)
-        times = {key: runs[key]() for key in order}
-        if r:  # the first round warms up
-            for key in timers:
-                differences[key].append(times[key] - times[base_key])
-    return {key: max(0.0, statistics.median(d)) for key, d in differences.items()}
 
 
 def _pair_starts(n: int) -> list[int]:

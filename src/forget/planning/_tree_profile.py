@@ -61,7 +61,7 @@ from ..memory import Ledger, StorageRecord, measure, watch
 from ..policies import Policy
 from ._profile import _region_overhead_s
 from ._targets import untouched, zero_grads
-from ._timing import _median_differences, _median_s, _step_timer
+from ._timing import _median_s, _step_of, time_calls
 from ._tree_apply import is_wrapped, run_option
 from ._tree_candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
 from ._tree_step import Call, TreeStep, check_same_calls, traced
@@ -426,7 +426,8 @@ class _Alone:
         time. So is a policy region that keeps no more than a forgotten one (a
         ``"selective"`` keep of matmul outputs on a convolution block): it re-runs
         as much, through the slower policy path. The others are timed side by
-        side against the plain step (`_median_differences`).
+        side with the plain step (`time_calls`), each by the median over rounds
+        of its time less the plain step's in the same round.
         """
         held = {name: self.saved_bytes(p) for name, p in policies.items()}
         kept = self.saved_bytes(None)
@@ -441,12 +442,18 @@ class _Alone:
                 if held[name] <= forgotten:
                     continue
             offered.append(name)
-        timers = {
-            name: _step_timer(functools.partial(self.loss, policies[name]), self.clear)
-            for name in offered
-        }
-        if not timers:
+        if not offered:
             return {}
-        base = _step_timer(functools.partial(self.loss, None), self.clear)
-        extra = _median_differences(timers, base, repeats)
-        return {name: (kept - held[name], extra[name]) for name in timers}
+        steps: dict[str | None, Callable[[], None]] = {
+            None: _step_of(functools.partial(self.loss, None))
+        }
+        steps.update(
+            (name, _step_of(functools.partial(self.loss, policies[name]))) for name in offered
+        )
+        rounds = time_calls(steps, max(3, repeats), prepare=lambda _: self.clear())
+        plain = rounds.pop(None)  # the plain step, once a round beside every option
+        extra = {
+            name: max(0.0, statistics.median(t - p for t, p in zip(times, plain, strict=True)))
+            for name, times in rounds.items()
+        }
+        return {name: (kept - held[name], extra[name]) for name in offered}
