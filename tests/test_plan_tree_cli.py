@@ -149,7 +149,8 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert list(stars.get_xdata()) == [plans[k].measured_peak_bytes / 2**20 for k in ("70%", "min")]
     peaks = [m["peak_bytes"] for m in payload["measured"]]
     assert min(peaks) == payload["min_feasible_bytes"]
-    assert max(peaks) == payload["plain_peak_bytes"]  # plain: the empty assignment
+    # The plain step never ran (NOTE [tree figures]): its peak is predicted, above these.
+    assert max(peaks) < payload["plain_peak_bytes"]
 
 
 def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_clock, capsys):

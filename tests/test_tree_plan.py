@@ -152,6 +152,7 @@ def test_plan_reports_both_probes_and_prints_a_tree(planned):
 def test_apply_and_remove_keep_state_dict_keys_and_restore_plain_behaviour(planned):
     plan = _plan(planned, "least")
     model = copy.deepcopy(planned.model)
+    plain = _allocator_peak(copy.deepcopy(model), planned.inputs)
     keys = list(model.state_dict())
     before = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
     assert plan.apply(model) is model
@@ -166,7 +167,16 @@ def test_apply_and_remove_keep_state_dict_keys_and_restore_plain_behaviour(plann
     assert not model._forward_pre_hooks and "_forget_tree_plan" not in model.__dict__
     with pytest.raises(ValueError, match="no tree plan"):
         plan.remove(model)
-    assert _allocator_peak(model, planned.inputs) == plan.plain_peak_bytes
+    assert _allocator_peak(model, planned.inputs) == plain
+
+
+def test_the_plain_peak_is_predicted_without_running_the_plain_step(planned):
+    # NOTE [tree figures]: the fake run's ledger peak plus the most workspace of any
+    # candidate alone. Fake tensors take the paths of an unreadable input (Llama's
+    # eager mask is built where the real step skips it: +12.6 % here), so close, not equal.
+    plan = _plan(planned, "least")
+    plain = _allocator_peak(copy.deepcopy(planned.model), planned.inputs)
+    assert abs(plan.plain_peak_bytes - plain) <= 0.15 * plain
 
 
 def test_json_round_trip(planned, tmp_path):

