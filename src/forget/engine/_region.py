@@ -25,7 +25,9 @@ outputs or to tell a nested region which tensors are the re-run's own. Outside
 state is put back without it: the values from before the forward's writes go in
 before the re-run and the values the forward left come back after it; write-only
 state (running statistics, counters), which the forward kept no copy of, is
-copied around the forward of the module that owns it (`_sites.write_only_put_back`).
+copied around the forward of the module that owns it (`_sites.write_only_put_back`),
+or around the whole re-run when the region's function is that module's own method
+(NOTE [hooks of the region's own module]).
 A region whose forward had no policy and started no region re-runs without a
 mode; the early stop then raises from the pack hook itself (the op whose inputs
 it packs does not run, as in torch's checkpoint), or, after an op that writes
