@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 
@@ -10,6 +11,8 @@ import torch
 from torch import nn
 
 import forget
+from forget.planning import DEFAULT_OPTIONS
+from forget.planning._tree_apply import applied
 
 
 def _equal_state(a: nn.Module, b: nn.Module) -> bool:
@@ -264,3 +267,89 @@ def test_write_only_counters_cost_no_byte_over_torch_checkpoint():
     assert ours.saved_bytes == theirs.saved_bytes
     # torch updates the counters twice; forget once, like a plain step
     assert [int(b[1].num_batches_tracked) for b in blocks] == [3, 3, 3, 3]  # 1 + 2
+
+
+# NOTE [hooks of the region's own module]: a tree plan runs a module's bound forward as
+# the region's function, so no hook of that module runs around its re-run.
+
+
+class _RunningAverage(nn.Module):
+    """An average and a counter kept in buffers, updated in place and read by nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(()))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.reruns = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.reruns += forget.in_recomputing()
+        self.avg.mul_(0.9).add_(x.mean() * 0.1)
+        self.count.add_(1)
+        return x.tanh()  # tanh saves its output: the region re-runs
+
+
+STATEFUL = {
+    "batchnorm1d": (lambda: nn.BatchNorm1d(4), lambda: nn.Linear(3, 4), (6, 3)),
+    "batchnorm2d": (lambda: nn.BatchNorm2d(4), lambda: nn.Conv2d(3, 4, 3), (2, 3, 5, 5)),
+    "average": (_RunningAverage, lambda: nn.Linear(3, 4), (6, 3)),
+}
+
+# choices -> re-runs of the stateful module's forward over two steps
+PLACES = {
+    "own_region": ({"block.state": "forget"}, 2),
+    "child_of_region": ({"block": "forget"}, 2),
+    "own_region_nested": ({"block": "forget", "block.state": "forget"}, 4),
+    "own_selective": ({"block.state": "selective"}, 2),
+    "own_regenerate": ({"block.state": "regenerate"}, 0),
+}
+
+
+def _stateful_net(kind: str) -> nn.Module:
+    state, pre, _ = STATEFUL[kind]
+    block = nn.Sequential(collections.OrderedDict(state=state(), act=nn.Tanh()))
+    return nn.Sequential(collections.OrderedDict(pre=pre(), block=block, post=nn.Tanh()))
+
+
+@pytest.mark.parametrize("place", list(PLACES), ids=list(PLACES))
+@pytest.mark.parametrize("kind", list(STATEFUL), ids=list(STATEFUL))
+def test_stateful_module_under_a_tree_plan_updates_state_once(kind, place, monkeypatch):
+    choices, reruns = PLACES[place]
+    torch.manual_seed(0)
+    plain = _stateful_net(kind)
+    ours = copy.deepcopy(plain)
+    state = ours.block.state
+    if kind != "average":  # count the batch norms that run in a re-run
+        batch_norm = torch.nn.functional.batch_norm
+
+        def counting(*args, **kwargs):
+            state.reruns = getattr(state, "reruns", 0) + forget.in_recomputing()
+            return batch_norm(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.modules.batchnorm.F, "batch_norm", counting)
+    x = torch.randn(*STATEFUL[kind][2])
+    with applied(ours, choices, DEFAULT_OPTIONS):
+        for step in range(2):
+            plain(x + step).square().sum().backward()
+            ours(x + step).square().sum().backward()
+            assert _equal_state(plain, ours) and _equal_grads(plain, ours)
+    assert state.reruns == reruns
+    counter = "num_batches_tracked" if kind != "average" else "count"
+    assert int(getattr(ours.block.state, counter)) == 2
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda m: m.forward, lambda m: functools.partial(m.forward)],
+    ids=["bound_forward", "partial_of_bound_forward"],
+)
+def test_region_running_a_batchnorms_own_forward_updates_state_once(wrap):
+    torch.manual_seed(0)
+    plain = nn.BatchNorm1d(4)
+    ours = copy.deepcopy(plain)
+    x = torch.randn(6, 4, requires_grad=True)
+    for step in range(2):
+        plain(x + step).exp().sum().backward()
+        forget.checkpoint(wrap(ours), x + step).exp().sum().backward()
+        assert _equal_state(plain, ours) and _equal_grads(plain, ours)
+    assert int(ours.num_batches_tracked) == 2

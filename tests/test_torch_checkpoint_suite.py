@@ -650,29 +650,89 @@ def _f(x):
     return x.sin().exp().sin()
 
 
+def _grads_inside(x):
+    """Differentiates its own intermediates in its forward, so a region of it re-runs
+    midway through its forward (NOTE [re-run in the forward], NOTE [whole re-run])."""
+    a = x.sin().exp().sin().sum()
+    b = x.sin().exp().sin().sum()
+    torch.autograd.grad(a, x)
+    torch.autograd.grad(b, x)
+    return x.sin()
+
+
+NESTED_FUNCTIONS = {"f": _f, "grads_inside": _grads_inside}
+
+# Each shape wraps a function in checkpoints (c) and create_graph grads (g).
 NESTINGS = {
-    "c(f)": lambda ck: _c(ck, _f),
-    "c(c(f))": lambda ck: _c(ck, _c(ck, _f)),
-    "g(c(f))": lambda ck: _g(_c(ck, _f)),
-    "c(g(f))": lambda ck: _c(ck, _g(_f)),
-    "c(g(c(f)))": lambda ck: _c(ck, _g(_c(ck, _f))),
-    "g(c(g(c(f))))": lambda ck: _g(_c(ck, _g(_c(ck, _f)))),
-    "c(c(g(g(f))))": lambda ck: _c(ck, _c(ck, _g(_g(_f)))),
+    "c(f)": lambda ck, f: _c(ck, f),
+    "c(c(f))": lambda ck, f: _c(ck, _c(ck, f)),
+    "g(c(f))": lambda ck, f: _g(_c(ck, f)),
+    "g(c(c(f)))": lambda ck, f: _g(_c(ck, _c(ck, f))),
+    "c(g(f))": lambda ck, f: _c(ck, _g(f)),
+    "g(c(g(f)))": lambda ck, f: _g(_c(ck, _g(f))),
+    "c(g(c(f)))": lambda ck, f: _c(ck, _g(_c(ck, f))),
+    "c(g(g(c(f))))": lambda ck, f: _c(ck, _g(_g(_c(ck, f)))),
+    "g(c(g(c(f))))": lambda ck, f: _g(_c(ck, _g(_c(ck, f)))),
+    "g(c(g(g(c(f)))))": lambda ck, f: _g(_c(ck, _g(_g(_c(ck, f))))),
+    "g(c(g(c(g(c(f))))))": lambda ck, f: _g(_c(ck, _g(_c(ck, _g(_c(ck, f)))))),
+    "c(c(g(g(f))))": lambda ck, f: _c(ck, _c(ck, _g(_g(f)))),
 }
+
+
+def _graph_dies(fn, x):
+    """Whether every node of ``fn(x)``'s graph is freed once the output is dropped."""
+
+    class Marker:
+        pass
+
+    def mark():
+        out = fn(x)
+        refs, seen, todo = [], set(), [out.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            marker = Marker()
+            node.metadata["forget_test"] = marker
+            refs.append(weakref.ref(marker))
+            todo += [next_node for next_node, _ in node.next_functions]
+        return refs
+
+    return all(ref() is None for ref in mark())
 
 
 # torch: test_autograd.TestNestedCheckpoint.test_nested_checkpoint
 @pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "no_early_stop"])
+@pytest.mark.parametrize("function", list(NESTED_FUNCTIONS))
 @pytest.mark.parametrize("nesting", list(NESTINGS))
-def test_nested_checkpoint(nesting, early_stop):
+def test_nested_checkpoint(nesting, function, early_stop):
     def scenario(ck):
-        x = torch.randn(5, requires_grad=True)
         with tc.set_checkpoint_early_stop(early_stop):
-            out = NESTINGS[nesting](ck)(x)
-        out.sum().backward()
-        return out.detach(), x.grad
+            fn = NESTINGS[nesting](ck, NESTED_FUNCTIONS[function])
+            results = []
+            # Twice: the second call of a region's function runs the fast path.
+            for _ in range(2):
+                x = torch.randn(5, requires_grad=True)
+                out = fn(x)
+                out.sum().backward()
+                results.append((out.detach(), x.grad))
+            return results, _graph_dies(fn, torch.randn(5, requires_grad=True))
 
-    _differential(scenario, plain=True)
+    _, dies = _differential(scenario, plain=True)
+    assert dies
+
+
+def _then(ck, first, second):
+    return lambda x: ck(second, ck(first, x))
+
+
+def _cos_sin_exp(x):
+    return x.cos().sin().exp()
+
+
+def _sum(fn):
+    return lambda x: fn(x).sum()
 
 
 # torch: test_autograd.TestNestedCheckpoint.test_nested_checkpoint_two_children
@@ -691,12 +751,35 @@ def test_nested_checkpoint_two_children(early_stop):
     _differential(scenario, plain=True)
 
 
+# torch: test_autograd.TestNestedCheckpoint.test_nested_checkpoint_two_children (a chain
+# of two checkpointed children, under two grads, the second inside a checkpoint too)
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "no_early_stop"])
+@pytest.mark.parametrize("outer", ["g(g(c(h)))", "g(c(g(c(h))))"])
+def test_nested_checkpoint_chained_children(outer, early_stop):
+    def scenario(ck):
+        h = _then(ck, _f, _cos_sin_exp)
+        wrap = {
+            "g(g(c(h)))": lambda fn: _g(_sum(_g(_sum(_c(ck, fn))))),
+            "g(c(g(c(h))))": lambda fn: _g(_sum(_c(ck, _g(_sum(_c(ck, fn)))))),
+        }[outer]
+        with tc.set_checkpoint_early_stop(early_stop):
+            fn = wrap(h)
+            x = torch.randn(3, 3, requires_grad=True)
+            out = fn(x)
+            out.sum().backward()
+            return out.detach(), x.grad, _graph_dies(fn, torch.randn(3, 3, requires_grad=True))
+
+    assert _differential(scenario, plain=True)[2]
+
+
 # torch: test_autograd.TestNestedCheckpoint.test_nested_checkpoint_non_tensor_inputs_and_outputs
-def test_nested_checkpoint_non_tensor_inputs_and_outputs():
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "no_early_stop"])
+def test_nested_checkpoint_non_tensor_inputs_and_outputs(early_stop):
     def fn(k, a, b, f):
         return f, k, a * b * f, "abcd"
 
     def scenario(ck):
+        ck = functools.partial(ck, early_stop=early_stop)
         a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
         out = ck(lambda *args: ck(fn, *args), 5, a, b, 2.5)
         out[2].sum().backward()
@@ -706,12 +789,14 @@ def test_nested_checkpoint_non_tensor_inputs_and_outputs():
 
 
 # torch: test_autograd.TestNestedCheckpoint.test_nested_checkpoint_kwargs
-def test_nested_checkpoint_kwargs():
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "no_early_stop"])
+def test_nested_checkpoint_kwargs(early_stop):
     def fn(a, blah=None):
         out = a.sin().exp()
         return out * blah if blah is not None else out
 
     def scenario(ck):
+        ck = functools.partial(ck, early_stop=early_stop)
         a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
         out = ck(lambda x, blah: ck(fn, x, blah=blah), a, blah=b)
         out.sum().backward()
@@ -721,8 +806,10 @@ def test_nested_checkpoint_kwargs():
 
 
 # torch: test_autograd.TestNestedCheckpoint.test_nested_checkpoint_same_graph
-def test_nested_checkpoint_same_graph():
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "no_early_stop"])
+def test_nested_checkpoint_same_graph(early_stop):
     def scenario(ck):
+        ck = functools.partial(ck, early_stop=early_stop)
         hooks = []
 
         def inner(x):
@@ -759,8 +846,10 @@ class _Reenter(torch.autograd.Function):
 
 
 # torch: test_autograd.TestNestedCheckpoint.test_nested_checkpoint_reentrant_backwards
-def test_nested_checkpoint_reentrant_backwards():
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early_stop", "no_early_stop"])
+def test_nested_checkpoint_reentrant_backwards(early_stop):
     def scenario(ck):
+        ck = functools.partial(ck, early_stop=early_stop)
         x = torch.randn(4, requires_grad=True)
         out = ck(lambda a: _Reenter.apply(a.sin(), ck), x)
         out.sum().backward()

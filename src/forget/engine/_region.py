@@ -25,11 +25,25 @@ outputs or to tell a nested region which tensors are the re-run's own. Outside
 state is put back without it: the values from before the forward's writes go in
 before the re-run and the values the forward left come back after it; write-only
 state (running statistics, counters), which the forward kept no copy of, is
-copied around the forward of the module that owns it (`_sites.write_only_put_back`).
+copied around the forward of the module that owns it (`_sites.write_only_put_back`),
+or around the whole re-run when the region's function is that module's own method
+(NOTE [hooks of the region's own module]).
 A region whose forward had no policy and started no region re-runs without a
 mode; the early stop then raises from the pack hook itself (the op whose inputs
 it packs does not run, as in torch's checkpoint), or, after an op that writes
 into an argument, at the next pack of a later op.
+
+NOTE [whole re-run]: with ``early_stop=False`` the re-run runs the whole
+function, so it must save as many tensors as the forward did; the count is
+checked only once the forward is over. A function that calls
+``torch.autograd.grad`` on its own intermediates re-runs midway through its
+forward (NOTE [re-run in the forward]), and that re-run runs the whole
+function, saving more than the forward has saved so far (``g(x)`` of torch's
+nesting tests: 7 against 6). ``_in_forward`` tells the two apart on both
+paths; whether the region holds a tracker does not: the fast path's forward
+runs with none (NOTE [fast path]), so a later call of such a function would be
+checked against its unfinished forward's count and raise
+`RecomputationMismatchError`.
 
 NOTE [double backward]: when backward runs with ``create_graph=True`` the
 collected tensors keep their history from the recomputation (which ran on
@@ -187,6 +201,8 @@ class Region:
         self._pack_positions: list[int] = []
         self._writers: frozenset[int] = frozenset()
         self._plain_rerun = False
+        #: True while ``func``'s forward runs, on either path (NOTE [whole re-run]).
+        self._in_forward = False
 
     # -- forward -------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Slot:
@@ -262,6 +278,7 @@ class Region:
         self._tracker = tracker
         _packers.stack.append(self._pack)
         _packers.trackers.append(tracker)
+        self._in_forward = True
         try:
             with (
                 torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
@@ -273,6 +290,7 @@ class Region:
             _packers.stack.pop()
             _packers.trackers.pop()
             self._tracker = None
+            self._in_forward = False
         mark_outputs(out)
         if tracker.used_rng:
             # Also when every draw is kept: under create_graph the re-run draws again.
@@ -318,12 +336,14 @@ class Region:
         fast = FastTracker(guard.external)
         _packers.stack.append(self._pack)
         _packers.trackers.append(fast)
+        self._in_forward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 out = self.func(*args, **kwargs)
         finally:
             _packers.stack.pop()
             _packers.trackers.pop()
+            self._in_forward = False
         mark_outputs(out)
         self._pre_forward, self._write_only = guard.written(region_name(self.func))
         self._plain_rerun = not fast.nested
@@ -496,9 +516,8 @@ class Region:
             for slot, before in zip(external, versions_before, strict=True):
                 assert slot.version is not None and isinstance(slot.value, torch.Tensor)
                 slot.version += slot.value._version - before
-        # Without early stop the whole function ran: it must have saved what the forward
-        # did, once the forward is over (a grad inside the forward re-runs it midway).
-        whole = not early_stop and self._tracker is None
+        # NOTE [whole re-run]
+        whole = not early_stop and not self._in_forward
         if needed or (whole and count != len(self._meta)):
             mismatch = RecomputationMismatchError(
                 f"forget: the recomputation of {region_name(self.func)} saved {count} tensors for "

@@ -345,11 +345,23 @@ def write_only_put_back(
     too), so a copy lives only while its module runs, not over the whole re-run
     whose peak it would raise; tensors no reached module owns are copied for the
     whole re-run.
+
+    NOTE [hooks of the region's own module]: a module's hooks run around its
+    ``__call__`` only. A region whose function is a module's bound method (its
+    ``forward``, as `forget.checkpoint(bn.forward, x)` and a tree plan's instance
+    forward run it, NOTE [instance forward]) runs that module's code with no hook
+    of it around: the module's own tensors are copied for the whole re-run, as
+    those no module owns (`_run_outside_call`). Known limit: code inside the
+    region that calls a module as ``m.forward(x)``, not ``m(x)``, runs it without
+    its hooks, and a re-run without a tracker updates its write-only state again.
     """
     owned: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     modules: dict[int, torch.nn.Module] = {}
     left = {id(t): t for t in write_only}
+    outside = {id(m) for m in _run_outside_call(func)}
     for sub in _submodules(func, flat):
+        if id(sub) in outside:
+            continue  # no hook of it runs: its tensors stay in ``left``
         for b in sub._buffers.values():
             if b is not None and id(b) in left:
                 owned.setdefault(id(sub), []).append((b, b))
@@ -379,6 +391,22 @@ def write_only_put_back(
         while stash:
             restore(stash.pop())
         restore(whole)
+
+
+def _run_outside_call(func: Any, depth: int = 0) -> list[torch.nn.Module]:
+    """Modules whose own code ``func`` runs without their ``__call__``: a bound method's
+    owner, through a ``functools.partial`` and `InTurn`'s parts (NOTE [hooks of the
+    region's own module])."""
+    if depth > 3:
+        return []
+    if isinstance(func, types.MethodType):
+        owner = func.__self__
+        return [owner] if isinstance(owner, torch.nn.Module) else []
+    if isinstance(func, functools.partial):
+        return _run_outside_call(func.func, depth + 1)
+    if isinstance(func, InTurn):
+        return [m for part in func.parts for m in _run_outside_call(part, depth + 1)]
+    return []
 
 
 def _equal(copy: torch.Tensor, t: torch.Tensor) -> bool:
