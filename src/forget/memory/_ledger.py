@@ -114,10 +114,17 @@ _active = _Active()
 
 
 class Ledger(TorchDispatchMode):
-    """The dispatch mode behind `measure` and `saved` (NOTE [the ledger])."""
+    """The dispatch mode behind `measure` and `saved` (NOTE [the ledger]).
 
-    def __init__(self) -> None:
+    Storages on the meta device (of fake tensors: torch's ``FakeTensorMode``)
+    hold no memory and are not counted, unless ``fake``: a ledger counting a
+    step run on fake tensors tells the bytes it would take on real ones
+    (NOTE [tree figures] in `forget.planning`).
+    """
+
+    def __init__(self, fake: bool = False) -> None:
         super().__init__()
+        self.fake = fake
         self._lock = threading.RLock()
         self._records: dict[int, StorageRecord] = {}
         self.live = 0
@@ -241,14 +248,14 @@ class Ledger(TorchDispatchMode):
             if func._schema.name.split("::")[-1] not in _LIFTS:
                 for leaf in pytree.tree_leaves((args, kwargs)):
                     s = storage_of(leaf)
-                    if s is not None:
+                    if s is not None and (self.fake or s.device.type != "meta"):
                         self._see_input(s)
         out = func(*args, **kwargs)
         with self._lock:
             name = _op_name(func)
             for leaf in pytree.tree_leaves(out):
                 s = storage_of(leaf)
-                if s is not None:
+                if s is not None and (self.fake or s.device.type != "meta"):
                     self._see_output(leaf, s, name, backward)
         return out
 

@@ -32,7 +32,7 @@ import torch
 
 from ..memory import Ledger, measure, watch
 
-__all__ = ["Overrun", "Peak", "guarded_peak"]
+__all__ = ["Overrun", "Peak", "guard", "guarded_peak"]
 
 
 class Overrun(Exception):
@@ -92,6 +92,20 @@ def _cuda_guard(limit_bytes: int) -> Iterator[None]:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
+@contextlib.contextmanager
+def guard(limit_bytes: int | None, probe: str) -> Iterator[None]:
+    """Stop what runs inside once it allocates past ``limit_bytes`` (`Overrun`); None: no guard.
+
+    ``probe`` says which memory counts: ``"cuda"`` the caching allocator's,
+    any other the CPU storages the ledger sees (NOTE [guarded steps]).
+    """
+    if limit_bytes is None:
+        yield
+        return
+    with (_cuda_guard if probe == "cuda" else _cpu_guard)(limit_bytes):
+        yield
+
+
 def guarded_peak(run: Callable[[], object], probe: str, limit_bytes: int | None) -> Peak:
     """The peak of ``run()`` by ``probe``, stopped once it passes ``limit_bytes``.
 
@@ -100,10 +114,9 @@ def guarded_peak(run: Callable[[], object], probe: str, limit_bytes: int | None)
     """
     if limit_bytes is None:
         return Peak(measure(run, probe=probe).peak_bytes)
-    guard = _cuda_guard if probe == "cuda" else _cpu_guard
     stopped: Overrun | None = None
     try:
-        with guard(limit_bytes):
+        with guard(limit_bytes, probe):
             peak = measure(run, probe=probe).peak_bytes
     except Overrun as exc:
         stopped = Overrun(exc.limit_bytes, exc.live_bytes)  # not exc: its frames hold the step

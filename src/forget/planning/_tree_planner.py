@@ -143,6 +143,7 @@ def plan_tree(
         model,
         args,
         kwargs,
+        budget=budget,
         loss_fn=loss_fn,
         candidates=candidates,
         options=options,
@@ -167,6 +168,9 @@ class TreePlanner:
         repeats: timing repeats per figure.
         samples: batches to plan for instead of ``args``/``kwargs``: the
             largest is measured (`samples_step`).
+        budget: the least budget this planner will plan for, if known: the
+            profile's runs on real tensors stay within it too (NOTE [planning
+            within the budget]); a percentage of the fake run's ledger peak.
     """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
@@ -181,6 +185,7 @@ class TreePlanner:
         options: Mapping[str, Policy | bool] | None = None,
         repeats: int = 3,
         samples: Sequence[Any] | None = None,
+        budget: int | float | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"forget: TreePlanner plans an nn.Module, got {type(model).__name__}")
@@ -196,7 +201,7 @@ class TreePlanner:
         self.repeats = repeats
         self.sizes = tuple({k: tuple(v) for k, v in s.items()} for s in sizes)
         self.structure = tuple(structure(model))
-        self.profile = profile_tree(self.step, candidates, self.policies, repeats)
+        self.profile = profile_tree(self.step, candidates, self.policies, repeats, budget)
         self.tree = self.profile.tree
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)

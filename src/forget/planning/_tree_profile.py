@@ -61,13 +61,14 @@ from torch.utils import _pytree as pytree
 
 from .. import schedules as P
 from ..engine import storage_of
-from ..errors import ForgetError
+from ..errors import BudgetInfeasibleError, ForgetError
 from ..memory import Ledger, StorageRecord, measure, watch
 from ..policies import Policy
+from ._guard import Overrun, guard
 from ._profile import _region_overhead_s
 from ._targets import untouched, zero_grads
 from ._timing import _median_s, _step_of, time_calls
-from ._tree_apply import is_wrapped, run_option
+from ._tree_apply import applied, is_wrapped, run_option
 from ._tree_candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
 from ._tree_step import Call, TreeStep, check_same_calls, step_loss, traced
 
@@ -99,6 +100,7 @@ def profile_tree(
     candidates: CandidateSpec | None,
     policies: Mapping[str, Policy],
     repeats: int,
+    budget: int | float | str | None = None,
 ) -> TreeProfile:
     """Measure ``step`` into a `TreeProfile` (NOTE [tree figures]); the model is left as it was.
 
@@ -108,6 +110,8 @@ def profile_tree(
         TypeError: the step's output has no loss (`step_loss`).
         ForgetError: the step's module calls differ between its runs (NOTE
             [one structure per step]).
+        BudgetInfeasibleError: with ``budget``, a run on real tensors (the
+            forward without grad, a candidate's step alone) passed it.
     """
     model = step.model
     wrapped = [name for name, m in model.named_modules() if is_wrapped(m)]
@@ -143,13 +147,28 @@ def profile_tree(
         parent = parents(names)
         rep_of = _alike(model, names, layouts)
         zero_grads(target)
-        with traced(model) as real:
-            captured = _capture(step, list(dict.fromkeys(rep_of.values())), layouts)
+        # NOTE [planning within the budget]: the runs on real tensors that are not timed
+        # run under the guard; a share of the plain peak is taken of the fake run's
+        # ledger peak here, no more than of the predicted plain peak it plans with.
+        limit = None if budget is None else P.parse_budget(budget, max(1, ledger_peak))
+        try:
+            with guard(limit, probe), traced(model) as real:
+                captured = _capture(step, list(dict.fromkeys(rep_of.values())), layouts)
+            with guard(limit, probe):
+                gap = _workspace_bytes(model, captured, set(parent.values()), probe)
+        except Overrun as exc:
+            raise BudgetInfeasibleError(
+                f"forget: the budget {exc.limit_bytes:,} B is below the smallest feasible "
+                f"one: {type(model).__name__}'s forward without grad, or one of its candidate "
+                f"modules' step alone, needs more ({exc.live_bytes:,} B and counting); raise "
+                "the budget, or offer smaller candidates (candidates=)",
+                budget_bytes=exc.limit_bytes,
+                min_feasible_bytes=exc.live_bytes,
+            ) from None
         # Fake tensors may take other paths of the same modules (a model that skips an
         # all-ones mask when it can read it builds one when it cannot): names only.
         check_same_calls(model, _names(first), _names(real), "run on real tensors")
-        times = _forward_times(model, names, rep_of, captured, repeats)
-        gap = _workspace_bytes(model, captured, probe)
+        times = _forward_times(model, names, rep_of, captured, parent, repeats)
         options = _options(model, names, rep_of, captured, policies, repeats, own, inputs, parent)
         del captured
     plain_peak = ledger_peak + gap
@@ -350,7 +369,7 @@ def _attribute(
     step: _FakeStep | TreeStep, names: list[str], parent: Mapping[str, str]
 ) -> tuple[dict[str, int], dict[str, int], int]:
     """Own and input bytes per node (NOTE [tree figures]) and the plain step's ledger peak."""
-    ledger = Ledger()
+    ledger = Ledger(fake=isinstance(step, _FakeStep))
     entries: dict[str, list[Any]] = {n: [] for n in names}
     # Ledger records (held, so their ids stay theirs) of made storages taken / returned.
     taken: dict[str, dict[int, tuple[StorageRecord, int]]] = {n: {} for n in names}
@@ -451,24 +470,30 @@ def _forward_times(
     names: list[str],
     rep_of: Mapping[str, str],
     captured: _Captured,
+    parent: Mapping[str, str],
     repeats: int,
 ) -> dict[str, float]:
     """Each candidate's forward with grad, plus a region's fixed cost (NOTE [time of a region]).
 
     Alike candidates share the time of their representative, measured alone on
-    its inputs (NOTE [alike stages]).
+    its inputs (NOTE [alike stages]). A candidate with candidates inside runs
+    with those forgotten, so that its forward holds their inputs alone, not
+    its whole subtree's activations (NOTE [planning within the budget]); their
+    regions' fixed costs are taken off its time.
     """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
     measured: dict[str, float] = {}
     for rep in dict.fromkeys(rep_of.values()):
         args, kwargs = captured[rep]
         forward = functools.partial(model.get_submodule(rep), *args, **kwargs)
-        measured[rep] = _median_s(forward, repeats)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
+        inside = [n for n in names if parent[n] == rep]
+        with applied(model, dict.fromkeys(inside, "forget"), {}):
+            measured[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
     return {name: measured[rep_of[name]] + fixed for name in names}
 
 
-def _workspace_bytes(model: nn.Module, captured: _Captured, probe: str) -> int:
+def _workspace_bytes(model: nn.Module, captured: _Captured, parents: set[str], probe: str) -> int:
     """What the allocator hands out beyond the ledger's storages: the most of any candidate alone.
 
     Kernel workspaces (a convolution's, on CPU too) are no tensor storage, so
@@ -479,6 +504,8 @@ def _workspace_bytes(model: nn.Module, captured: _Captured, probe: str) -> int:
         return 0
     most = 0
     for name, (args, kwargs) in captured.items():
+        if name in parents:
+            continue  # its ops are its candidates' (and a few of its own): theirs count
         alone = _Alone(model.get_submodule(name), args, kwargs)
         alone.clear()
         by_allocator = measure(alone.step, probe=probe).peak_bytes
