@@ -152,10 +152,14 @@ def profile_tree(
         # ledger peak here, no more than of the predicted plain peak it plans with.
         limit = None if budget is None else P.parse_budget(budget, max(1, ledger_peak))
         try:
-            with guard(limit, probe), traced(model) as real:
-                captured = _capture(step, list(dict.fromkeys(rep_of.values())), layouts)
-            with guard(limit, probe):
-                gap = _workspace_bytes(model, captured, set(parent.values()), probe)
+            with guard(limit, probe), traced(model) as real, torch.no_grad():
+                step.model(*step.args, **step.kwargs)
+            # Fake tensors may take other paths of the same modules (a model that skips
+            # an all-ones mask when it can read it builds one when it cannot): names only.
+            check_same_calls(model, _names(first), _names(real), "run on real tensors")
+            times, gap, figures = _alone_figures(
+                step, names, rep_of, layouts, parent, policies, repeats, limit, probe
+            )
         except Overrun as exc:
             raise BudgetInfeasibleError(
                 f"forget: the budget {exc.limit_bytes:,} B is below the smallest feasible "
@@ -165,12 +169,7 @@ def profile_tree(
                 budget_bytes=exc.limit_bytes,
                 min_feasible_bytes=exc.live_bytes,
             ) from None
-        # Fake tensors may take other paths of the same modules (a model that skips an
-        # all-ones mask when it can read it builds one when it cannot): names only.
-        check_same_calls(model, _names(first), _names(real), "run on real tensors")
-        times = _forward_times(model, names, rep_of, captured, parent, repeats)
-        options = _options(model, names, rep_of, captured, policies, repeats, own, inputs, parent)
-        del captured
+        options = _options(names, rep_of, figures, policies, own, inputs, parent)
     plain_peak = ledger_peak + gap
     children: dict[str, list[str]] = {ROOT: [], **{n: [] for n in names}}
     for name in names:
@@ -300,50 +299,108 @@ def _alike(model: nn.Module, names: list[str], layouts: Mapping[str, _Layout]) -
     }
 
 
-def _capture(step: TreeStep, names: list[str], layouts: Mapping[str, _Layout]) -> _Captured:
-    """The real inputs ``names`` take in the step, from one forward without grad.
+class _Got(Exception):
+    """Stops the forward once the module wanted has its inputs (`_capture`)."""
 
-    Without grad the forward keeps no activation: its peak is one module's
-    work, not the step's. The inputs are copied (a later in-place op of the
-    forward may write into them) and require grad where the step's did, by
-    the layout the fake run saw.
+
+def _capture(step: TreeStep, name: str, layout: _Layout) -> tuple[Any, Any, int]:
+    """The real inputs candidate ``name`` takes in the step, from a forward without grad.
+
+    Without grad the forward keeps no activation, and it stops as soon as
+    ``name`` is called: its peak is a module's work, not the step's. Inputs the
+    forward made are copied (a later in-place op of the forward may write into
+    them; the step's own inputs and parameters are taken as they are) and
+    require grad where the step's did, by the ``layout`` the fake run saw.
+    Returns the args, the kwargs and the bytes of the copies.
     """
-    wanted = set(names)
-    captured: _Captured = {}
+    model = step.model
+    alive = [*pytree.tree_leaves((step.args, step.kwargs)), *model.parameters(), *model.buffers()]
+    made_before = {s.data_ptr() for t in alive if (s := storage_of(t)) is not None}
+    got: list[Any] = []
+    copies = [0]
 
-    def pre(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if name in captured:
-                return
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            fake = list(layouts[name])
-            copied = []
-            for leaf in leaves:
-                if isinstance(leaf, Tensor):
-                    # requires grad as the fake input of its shape and dtype did
-                    match = next(
-                        (f for f in fake if f[:2] == (tuple(leaf.shape), leaf.dtype)), None
-                    )
-                    if match is not None:
-                        fake.remove(match)
-                    leaf = leaf.detach().clone().requires_grad_(bool(match and match[2]))
-                copied.append(leaf)
-            captured[name] = pytree.tree_unflatten(copied, spec)
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        fake = list(layout)
+        copied = []
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                # requires grad as the fake input of its shape and dtype did
+                key = (tuple(leaf.shape), leaf.dtype)
+                match = next((f for f in fake if f[:2] == key), None)
+                if match is not None:
+                    fake.remove(match)
+                kept = storage_of(leaf)
+                leaf = leaf.detach()
+                if kept is None or kept.data_ptr() not in made_before:
+                    leaf = leaf.clone()
+                    copies[0] += leaf.untyped_storage().nbytes()
+                leaf.requires_grad_(bool(match and match[2]))
+            copied.append(leaf)
+        got.append(pytree.tree_unflatten(copied, spec))
+        raise _Got
 
-        return hook
-
-    handles = [
-        step.model.get_submodule(n).register_forward_pre_hook(pre(n), with_kwargs=True)
-        for n in names
-        if n in wanted
-    ]
+    handle = model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            step.model(*step.args, **step.kwargs)
+            model(*step.args, **step.kwargs)
+    except _Got:
+        pass
     finally:
-        for handle in handles:
-            handle.remove()
-    return captured
+        handle.remove()
+    args, kwargs = got[0]
+    return args, kwargs, copies[0]
+
+
+def _alone_figures(
+    step: TreeStep,
+    names: list[str],
+    rep_of: Mapping[str, str],
+    layouts: Mapping[str, _Layout],
+    parent: Mapping[str, str],
+    policies: Mapping[str, Policy],
+    repeats: int,
+    limit: int | None,
+    probe: str,
+) -> tuple[dict[str, float], int, dict[str, dict[str, tuple[int, float]]]]:
+    """Times, workspace and options' figures, one representative at a time (NOTE [alike stages]).
+
+    Each representative's inputs are captured (`_capture`), its figures taken,
+    and its inputs dropped before the next: one module's inputs and work are
+    live at a time (NOTE [planning within the budget]). The runs that measure
+    bytes run under the guard, less what the inputs hold; the timed ones do
+    not (a guard's ledger would slow them), and hold no more than those.
+    """
+    model = step.model
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
+    inner = set(names) - set(parent.values())
+    times: dict[str, float] = {}
+    figures: dict[str, dict[str, tuple[int, float]]] = {}
+    gap = 0
+    for rep in dict.fromkeys(rep_of.values()):
+        with guard(limit, probe):
+            args, kwargs, held = _capture(step, rep, layouts[rep])
+        left = None if limit is None else limit - held
+        # A candidate with candidates inside runs with those forgotten, so that its
+        # forward holds their inputs, not its whole subtree's activations; their
+        # regions' fixed costs are taken off its time.
+        inside = [n for n in names if parent[n] == rep]
+        forward = functools.partial(model.get_submodule(rep), *args, **kwargs)
+        with applied(model, dict.fromkeys(inside, "forget"), {}):
+            times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
+        if rep in inner:
+            alone = _Alone(model.get_submodule(rep), args, kwargs)
+            try:
+                with guard(left, probe):
+                    gap = max(gap, alone.workspace_bytes(probe))
+                    offered = alone.option_bytes(policies)
+            except Overrun as exc:  # the budget is what counts, with the inputs held
+                raise Overrun(exc.limit_bytes + held, exc.live_bytes + held) from None
+            figures[rep] = alone.option_times(offered, policies, repeats)
+            alone.clear()
+        del args, kwargs, forward
+    return {name: times[rep_of[name]] + fixed for name in names}, gap, figures
 
 
 def _called_once(names: list[str], calls: Mapping[str, int], named: bool) -> list[str]:
@@ -465,57 +522,6 @@ def _signature(module: nn.Module, layout: _Layout) -> tuple[Any, ...]:
     return (type(module), repr(module), module.training, params, layout)
 
 
-def _forward_times(
-    model: nn.Module,
-    names: list[str],
-    rep_of: Mapping[str, str],
-    captured: _Captured,
-    parent: Mapping[str, str],
-    repeats: int,
-) -> dict[str, float]:
-    """Each candidate's forward with grad, plus a region's fixed cost (NOTE [time of a region]).
-
-    Alike candidates share the time of their representative, measured alone on
-    its inputs (NOTE [alike stages]). A candidate with candidates inside runs
-    with those forgotten, so that its forward holds their inputs alone, not
-    its whole subtree's activations (NOTE [planning within the budget]); their
-    regions' fixed costs are taken off its time.
-    """
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
-    measured: dict[str, float] = {}
-    for rep in dict.fromkeys(rep_of.values()):
-        args, kwargs = captured[rep]
-        forward = functools.partial(model.get_submodule(rep), *args, **kwargs)
-        inside = [n for n in names if parent[n] == rep]
-        with applied(model, dict.fromkeys(inside, "forget"), {}):
-            measured[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
-    return {name: measured[rep_of[name]] + fixed for name in names}
-
-
-def _workspace_bytes(model: nn.Module, captured: _Captured, parents: set[str], probe: str) -> int:
-    """What the allocator hands out beyond the ledger's storages: the most of any candidate alone.
-
-    Kernel workspaces (a convolution's, on CPU too) are no tensor storage, so
-    the ledger, and the fake run it counts, does not see them (NOTE [tree
-    figures]); each representative's step alone, by both probes, shows its own.
-    """
-    if probe == "ledger":
-        return 0
-    most = 0
-    for name, (args, kwargs) in captured.items():
-        if name in parents:
-            continue  # its ops are its candidates' (and a few of its own): theirs count
-        alone = _Alone(model.get_submodule(name), args, kwargs)
-        alone.clear()
-        by_allocator = measure(alone.step, probe=probe).peak_bytes
-        alone.clear()
-        by_ledger = measure(alone.step).peak_bytes
-        alone.clear()
-        most = max(most, by_allocator - by_ledger)
-    return most
-
-
 def _scalar(output: Any) -> Tensor:
     """The sum of every floating tensor in ``output`` that requires grad (one backward for all)."""
     leaves = [
@@ -527,12 +533,10 @@ def _scalar(output: Any) -> Tensor:
 
 
 def _options(
-    model: nn.Module,
     names: list[str],
     rep_of: Mapping[str, str],
-    captured: _Captured,
+    figures: Mapping[str, Mapping[str, tuple[int, float]]],
     policies: Mapping[str, Policy],
-    repeats: int,
     own: Mapping[str, int],
     inputs: Mapping[str, int],
     parent: Mapping[str, str],
@@ -549,15 +553,10 @@ def _options(
             running += held[kid]
         held[name], peak[name] = own[name] + running, own[name] + most
     # Alike modules share their options' figures (NOTE [alike stages]): measured once.
-    figures: dict[str, dict[str, tuple[int, float]]] = {}
     out: dict[str, tuple[P.TreeOption, ...]] = {}
     inner = set(names) - set(parent.values())
     for name in (n for n in names if n in inner):
         rep = rep_of[name]
-        if rep not in figures:
-            alone = _Alone(model.get_submodule(rep), *captured[rep])
-            figures[rep] = alone.options(policies, repeats)
-            alone.clear()
         options = []
         for option, (saves, extra_s) in figures[rep].items():
             policy = policies[option]
@@ -614,20 +613,36 @@ class _Alone:
         self.clear()
         return measure(run_option, self.forward, self.args, self.kwargs, None).end_bytes
 
-    def options(self, policies: Mapping[str, Policy], repeats: int) -> dict[str, tuple[int, float]]:
-        """Per option, the bytes it saves fewer than keeping and the seconds it adds to a step.
+    def workspace_bytes(self, probe: str) -> int:
+        """What the allocator hands out beyond the ledger's storages in this module's step.
+
+        Kernel workspaces (a convolution's, on CPU too) are no tensor storage, so
+        the ledger, and the fake run it counts, does not see them (NOTE [tree
+        figures]); the most of any innermost candidate is the step's.
+        """
+        if probe == "ledger":
+            return 0
+        self.clear()
+        by_allocator = measure(self.step, probe=probe).peak_bytes
+        self.clear()
+        by_ledger = measure(self.step).peak_bytes
+        self.clear()
+        return max(0, by_allocator - by_ledger)
+
+    def option_bytes(self, policies: Mapping[str, Policy]) -> dict[str, int]:
+        """Per option offered, the bytes it saves fewer than keeping.
 
         An option that saves nothing is left out: keeping does as well at no extra
         time. So is a policy region that keeps no more than a forgotten one (a
         ``"selective"`` keep of matmul outputs on a convolution block): it re-runs
-        as much, through the slower policy path. The others are timed side by
-        side with the plain step (`time_calls`), each by the median over rounds
-        of its time less the plain step's in the same round.
+        as much, through the slower policy path.
         """
+        if not policies:
+            return {}
         held = {name: self.saved_bytes(p) for name, p in policies.items()}
         kept = self.saved_bytes(None)
         forgotten: int | None = None
-        offered = []
+        offered = {}
         for name, policy in policies.items():
             if held[name] >= kept:
                 continue
@@ -636,7 +651,17 @@ class _Alone:
                     forgotten = self.forgotten_bytes()
                 if held[name] <= forgotten:
                     continue
-            offered.append(name)
+            offered[name] = kept - held[name]
+        return offered
+
+    def option_times(
+        self, offered: Mapping[str, int], policies: Mapping[str, Policy], repeats: int
+    ) -> dict[str, tuple[int, float]]:
+        """Per option offered, its bytes saved and the seconds it adds to a step.
+
+        Each is timed side by side with the plain step (`time_calls`), by the
+        median over rounds of its time less the plain step's in the same round.
+        """
         if not offered:
             return {}
         steps: dict[str | None, Callable[[], None]] = {
@@ -651,4 +676,4 @@ class _Alone:
             name: max(0.0, statistics.median(t - p for t, p in zip(times, plain, strict=True)))
             for name, times in rounds.items()
         }
-        return {name: (kept - held[name], extra[name]) for name in offered}
+        return {name: (saves, extra[name]) for name, saves in offered.items()}
