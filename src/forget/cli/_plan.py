@@ -41,6 +41,7 @@ from . import _plan_tree
 from ._common import (
     BUDGET_HELP,
     OPTION_GROUPS,
+    TRACEBACK_HELP,
     Progress,
     check_budget,
     draw_plans,
@@ -50,6 +51,7 @@ from ._common import (
     parse_setting,
     require_matplotlib,
     resolve_budget,
+    step_error,
     wrote,
 )
 
@@ -427,6 +429,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--show", action="store_true", help="also print each plan's stage table")
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
+    p.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     return p
 
 
@@ -510,9 +513,21 @@ def main(argv: Sequence[str]) -> int:
     try:
         with frozen_heap():  # NOTE [frozen heap] in forget._measure
             for name, model, inputs in built:
-                planner = Planner(
-                    model, inputs, options=options or None, repeats=args.repeats, split=args.split
-                )
+                try:
+                    planner = Planner(
+                        model,
+                        inputs,
+                        options=options or None,
+                        repeats=args.repeats,
+                        split=args.split,
+                    )
+                except Exception as exc:  # NOTE [the user's errors] in ._common
+                    progress.close()
+                    line = step_error(exc, name, model, args.traceback)
+                    if line is None:
+                        raise
+                    print(line, file=sys.stderr)
+                    return 2
                 progress.update(f"{name} profiled")
                 done = functools.partial(_budget_done, progress, name)
                 results.append(
