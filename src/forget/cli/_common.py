@@ -74,7 +74,10 @@ def mib(n_bytes: int) -> str:
 
 def plot_hint(flag: str) -> str:
     """The message for a PNG flag without matplotlib."""
-    return f"forget: {flag} needs matplotlib; install it with pip install 'torch-forget[plot]'"
+    return (
+        f"forget: {flag} needs matplotlib; install it with pip install matplotlib "
+        "(the [plot] extra)"
+    )
 
 
 def require_matplotlib(flag: str) -> None:
@@ -85,14 +88,40 @@ def require_matplotlib(flag: str) -> None:
         raise ValueError(plot_hint(flag)) from None
 
 
-def draw_plans(ax: Any, plain_peak_bytes: int, plans: Sequence[tuple[int, float, float]]) -> None:
-    """Finish a Pareto axis (peak MiB against step-time overhead %): plain, the plans, labels.
+def draw_plans(
+    ax: Any,
+    plain_peak_bytes: int,
+    plans: Sequence[tuple[int, float, float]],
+    budgets: Sequence[tuple[str, int]] = (),
+) -> None:
+    """Finish a Pareto axis (peak MiB against step-time overhead %): plain, plans, budgets, labels.
 
     ``plans``: per plan, its measured peak in bytes, its predicted overhead and
     its measured overhead, both fractions of the plain step's time. Like with
     like: a plan is drawn where the curves are (measured peak, predicted time)
     and again at its measured time, which carries the run's timing noise.
+    ``budgets``: ``(label, bytes)`` of each budget planned, a dashed vertical
+    line each, named at the top: a plan lies on or left of its budget's line.
     """
+    for i, (label, budget_bytes) in enumerate(budgets):
+        ax.axvline(
+            budget_bytes / MIB,
+            color="gray",
+            linestyle="--",
+            linewidth=1,
+            label="the budgets (--budgets): a plan's peak lies on or left of its own"
+            if i == 0
+            else None,
+        )
+        ax.annotate(
+            label,
+            (budget_bytes / MIB, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, -10),
+            textcoords="offset points",
+            fontsize=7,
+            color="gray",
+        )
     ax.plot(
         [plain_peak_bytes / MIB], [0.0], "k^", markersize=9, label="store-all (plain, measured)"
     )
@@ -110,8 +139,8 @@ def draw_plans(ax: Any, plain_peak_bytes: int, plans: Sequence[tuple[int, float,
         markersize=7,
         label="our plans (measured peak, measured time, noisy)",
     )
-    ax.set_xlabel("peak memory of one step (MiB)")
-    ax.set_ylabel("step-time overhead vs plain (%): predicted, except x")
+    ax.set_xlabel("peak memory of one training step (MiB)")
+    ax.set_ylabel("time recomputation adds to a step (% of plain)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 
@@ -123,7 +152,7 @@ def wrote(path: Path, what: str) -> None:
 
 _NO_TQDM_NOTE = (
     "forget: no progress bars: tqdm is not installed; "
-    "pip install 'torch-forget[cli]' adds them (--quiet hides this note)."
+    "pip install tqdm (the [cli] extra) adds them (--quiet hides this note)."
 )
 _noted_no_tqdm = False
 

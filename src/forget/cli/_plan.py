@@ -326,6 +326,7 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
             ax,
             result.plain_peak_bytes,
             [(p.measured_peak_bytes, p.predicted_overhead, measured) for p, measured in plans],
+            [(r.label, r.budget_bytes) for r in result.rows if r.plan is not None],
         )
         split = f", {len(chain)} stages" if len(chain) != blocks else ""
         ax.set_title(f"{result.name} ({blocks} blocks{split})")

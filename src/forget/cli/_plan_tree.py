@@ -26,6 +26,7 @@ import contextlib
 import json
 import statistics
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,8 +328,18 @@ def write_tree_pareto(
         ax,
         planner.plain_peak,
         [(p.measured_peak_bytes, p.predicted_extra_s / plain_s, over) for p, over in plans],
+        [(r.label, r.budget_bytes) for r in rows if r.plan is not None],
     )
     model = type(planner.step.model).__name__
-    ax.set_title(f"{spec} ({model}, {len(planner.tree) - 1} candidate modules)")
-    fig.suptitle("forget plan: allocator peak vs recomputation overhead")
+    # Two short lines, each wrapped to the figure's width: one long line was cut off.
+    ax.set_title(
+        "\n".join(
+            [
+                *textwrap.wrap(spec, 60),
+                f"{model}, {len(planner.tree) - 1} candidate modules",
+            ]
+        ),
+        fontsize=9,
+    )
+    fig.suptitle("forget plan: peak memory vs time added by recomputation")
     fig.savefig(path, dpi=120)
