@@ -43,12 +43,14 @@ from ._common import (
     OPTION_GROUPS,
     TRACEBACK_HELP,
     Progress,
+    above_plain_note,
     check_budget,
     draw_plans,
     mib,
     model_and_inputs,
     parse_option,
     parse_setting,
+    percent_hint,
     require_matplotlib,
     resolve_budget,
     step_error,
@@ -545,6 +547,11 @@ def main(argv: Sequence[str]) -> int:
         for name, policy in options.items():
             print(f"option {name}: {policy}")
     print(format_table(results))
+    for result in results:
+        for row in result.rows:
+            if row.plan is not None and row.budget_bytes >= result.plain_peak_bytes:
+                print(f"{result.name} @ {row.label}: " + above_plain_note(
+                    row.budget_bytes, result.plain_peak_bytes))  # fmt: skip
     if args.show:
         for result in results:
             for row in result.rows:
@@ -570,7 +577,8 @@ def main(argv: Sequence[str]) -> int:
         print(
             f"forget plan: no budget of {r.name} could be planned: each lies below the "
             f"smallest feasible one, {r.min_feasible_bytes:,} B (plain peak "
-            f"{r.plain_peak_bytes:,} B); --budgets min plans at it",
+            f"{r.plain_peak_bytes:,} B); --budgets min plans at it"
+            + next(filter(None, (percent_hint(row.label) for row in r.rows)), ""),
             file=sys.stderr,
         )
     return 2 if unplanned else 0
