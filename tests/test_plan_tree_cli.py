@@ -88,7 +88,9 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
 
     monkeypatch.setattr(Figure, "savefig", keep)
     out_json, png = encoder_dir / "plan.json", encoder_dir / "pareto.png"
-    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "70%,1000,min", "--repeats", "1"]
+    # 0.7: a share of the plain peak, as the Python API reads it; 60: bytes, as any
+    # number without a unit; 6 GB: above the plain peak.
+    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "0.7,60,min,6 GB", "--repeats", "1"]
     argv += ["--quiet", "--json", str(out_json), "--plot", str(png)]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
@@ -100,31 +102,40 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert payload["candidates"] == 7
     assert list(payload["options"]) == ["selective", "regenerate"]  # NOTE [default options]
     rows = {row["budget"]: row for row in payload["budgets"]}
-    assert list(rows) == ["70%", "1000", "min"]
-    assert rows["1000"] == {
-        "budget": "1000",
-        "budget_bytes": 1000,
+    assert list(rows) == ["0.7", "60", "min", "6 GB"]
+    assert rows["60"] == {
+        "budget": "60",
+        "budget_bytes": 60,
         "infeasible": True,
         "min_feasible_bytes": payload["min_feasible_bytes"],
     }
-    plans = {label: forget.TreePlan.from_dict(rows[label]["plan"]) for label in ("70%", "min")}
+    plans = {
+        label: forget.TreePlan.from_dict(rows[label]["plan"]) for label in ("0.7", "min", "6 GB")
+    }
     for label, plan in plans.items():
         assert plan.measured_peak_bytes <= plan.budget_bytes
         # What is printed is the plan's own text, exactly, under a line naming the budget.
         assert f"plan_tree_encoder:with_loss @ {label}:\n{plan}\n" in out
     assert plans["min"].budget_bytes == payload["min_feasible_bytes"]
     assert plans["min"].measured_peak_bytes == payload["min_feasible_bytes"]
-    assert plans["70%"].budget_bytes == int(0.7 * payload["plain_peak_bytes"])
+    assert plans["0.7"].budget_bytes == int(0.7 * payload["plain_peak_bytes"])
     assert set(plans["min"].choices) >= {f"encoder.layers.{i}" for i in range(2)}
     assert "      encoder.layers.0 (Block) " in out  # indented two levels below the model
     assert (
-        "plan_tree_encoder:with_loss @ 1000:\ninfeasible: the budget 1,000 B is below the "
-        f"least feasible one, {payload['min_feasible_bytes']:,} B; --budgets min plans at it"
+        "plan_tree_encoder:with_loss @ 60:\ninfeasible: the budget 60 B is below the "
+        f"least feasible one, {payload['min_feasible_bytes']:,} B; --budgets min plans at it; "
+        "did you mean 60%?\n"
+    ) in out
+    # Above the plain peak: the plain step, and a line under it that says why.
+    assert plans["6 GB"].choices == {}
+    assert (
+        f"{plans['6 GB']}\n  the budget 6,000,000,000 B is at or above the plain step's peak, "
+        f"{payload['plain_peak_bytes']:,} B: the plain step fits, so nothing is forgotten\n"
     ) in out
     table = out[out.index(TABLE_HEADER.split()[0] + "  ") :].splitlines()
     assert table[0].split() == TABLE_HEADER.split()
     assert set(table[1]) <= {"-", " "}
-    assert [line.split()[0] for line in table[2:5]] == ["70%", "1000", "min"]
+    assert [line.split()[0] for line in table[2:6]] == ["0.7", "60", "min", "6"]
     assert table[3].split()[-1] == "infeasible"
     assert table[4].split()[3] == "1.000"  # min: the peak is the budget
     assert out.splitlines()[-2:] == [
@@ -138,9 +149,9 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert ax.get_ylabel() == "time recomputation adds to a step (% of plain)"
     budget_lines = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
     assert [line.get_xdata()[0] for line in budget_lines] == [
-        plans[label].budget_bytes / 2**20 for label in ("70%", "min")
+        plans[label].budget_bytes / 2**20 for label in ("0.7", "min", "6 GB")
     ]  # one dashed line per budget planned, named at the top
-    assert [t.get_text() for t in ax.texts] == ["70%", "min"]
+    assert [t.get_text() for t in ax.texts] == ["0.7", "min", "6 GB"]
     lines = {line.get_label(): line for line in ax.get_lines() if line not in budget_lines[1:]}
     assert list(lines) == [
         "assignments measured (allocator peak, predicted time)",
@@ -153,9 +164,9 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     ]
     stars = lines["our plans (measured peak, predicted time)"]
     plain_s = payload["plain_step_s"]
-    want = [100 * plans[label].predicted_extra_s / plain_s for label in ("70%", "min")]
+    want = [100 * plans[label].predicted_extra_s / plain_s for label in ("0.7", "min", "6 GB")]
     assert list(stars.get_ydata()) == pytest.approx(want)
-    assert list(stars.get_xdata()) == [plans[k].measured_peak_bytes / 2**20 for k in ("70%", "min")]
+    assert list(stars.get_xdata()) == [p.measured_peak_bytes / 2**20 for p in plans.values()]
     peaks = [m["peak_bytes"] for m in payload["measured"]]
     assert min(peaks) == payload["min_feasible_bytes"]
     assert max(peaks) == payload["plain_peak_bytes"]  # plain: the empty assignment
@@ -178,33 +189,6 @@ def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_cloc
         f"feasible one, {payload['min_feasible_bytes']:,} B (plain peak "
         f"{payload['plain_peak_bytes']:,} B); --budgets min plans at it; did you mean 100%?"
     )
-
-
-def test_budgets_as_a_user_writes_them(encoder_dir, fixed_clock, capsys):
-    out_json = encoder_dir / "plan.json"
-    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "0.6,60,6 GB", "--repeats", "1"]
-    argv += ["--candidate", "encoder.layers.?", "--no-options", "--quiet", "--json", str(out_json)]
-    assert cli_main(argv) == 0
-    out = capsys.readouterr().out
-    payload = json.loads(out_json.read_text())
-    plain, least = payload["plain_peak_bytes"], payload["min_feasible_bytes"]
-    rows = {row["budget"]: row for row in payload["budgets"]}
-    # 0.6 is what the Python API reads it as: a share of the plain peak.
-    assert rows["0.6"]["budget_bytes"] == int(0.6 * plain)
-    assert rows["0.6"]["plan"]["measured_peak_bytes"] <= int(0.6 * plain)
-    # 60 is bytes, as any number without a unit; no step fits in it.
-    assert (
-        "plan_tree_encoder:with_loss @ 60:\ninfeasible: the budget 60 B is below the least "
-        f"feasible one, {least:,} B; --budgets min plans at it; did you mean 60%?\n"
-    ) in out
-    # Above the plain peak: the plain step, and a line that says why nothing is forgotten.
-    assert rows["6 GB"]["plan"]["choices"] == {}
-    assert (
-        "  least feasible budget: "
-        f"{least:,} B; predicted extra time +0.000 ms a step\n"
-        f"  the budget 6,000,000,000 B is at or above the plain step's peak, {plain:,} B: "
-        "the plain step fits, so nothing is forgotten\n"
-    ) in out
 
 
 # An embedding, three residual MLP blocks and a head.
