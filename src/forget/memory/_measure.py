@@ -205,7 +205,7 @@ def _without_kineto_log() -> Iterator[None]:
     called after its user's own profiling cannot promise.
     """
     try:
-        sys.stderr.flush()
+        _flush_stderr()
         saved = os.dup(2)
     except (OSError, ValueError):  # no descriptor 2 (a windowless process): nothing to keep off
         yield
@@ -216,7 +216,7 @@ def _without_kineto_log() -> Iterator[None]:
             yield
         finally:
             try:
-                sys.stderr.flush()
+                _flush_stderr()
             finally:
                 os.dup2(saved, 2)
                 os.close(saved)
@@ -227,6 +227,12 @@ def _without_kineto_log() -> Iterator[None]:
 
 
 _KINETO_LOG = b"USDT:"
+
+
+def _flush_stderr() -> None:
+    """Write out what Python buffered for stderr, so that it lands before the switch."""
+    if sys.stderr is not None:
+        sys.stderr.flush()
 
 
 def _read_tree(
