@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import os
 import warnings
 
 import pytest
@@ -649,3 +650,15 @@ def test_ledger_records_say_what_made_each_storage_and_in_which_regions():
     assert (external.op, external.counted, external.regions) == ("", 0, ())
     assert repr(made) == "StorageRecord(made by aten.mm, 1,024 B counted, cpu)"
     assert repr(external) == "StorageRecord(external, 0 B counted, cpu)"
+
+
+def test_the_profiler_probe_keeps_kinetos_log_off_stderr_and_keeps_the_calls_own(capfd):
+    # NOTE [kineto's log]: torch 2.13's profiler writes "USDT: ... profiler_start" and
+    # "... profiler_stop" to file descriptor 2 around every profiled call.
+    def step(x):
+        os.write(2, b"the user's own line\n")
+        return (x * 2).sum()
+
+    report = forget.measure(step, torch.ones(8), probe="profiler")
+    assert report.peak_bytes > 0
+    assert capfd.readouterr().err == "the user's own line\n"

@@ -330,7 +330,7 @@ def test_plan_of_every_tiny_model_saves_memory_and_reports_progress(tmp_path, mo
 
 
 def test_plan_exits_2_when_no_budget_is_planned(capsys):
-    argv = ["--model", "residual_mlp", "--size", "tiny", "--budgets", "1%,2%", "--repeats", "1"]
+    argv = ["--model", "residual_mlp", "--size", "tiny", "--budgets", "1%,2", "--repeats", "1"]
     assert _plan.main([*argv, "--quiet"]) == 2
     out, err = capsys.readouterr()
     row = out.splitlines()[2].split()
@@ -338,7 +338,8 @@ def test_plan_exits_2_when_no_budget_is_planned(capsys):
     least = row[-2]
     assert re.fullmatch(
         f"forget plan: no budget of residual_mlp could be planned: each lies below the "
-        f"smallest feasible one, {least} B \\(plain peak [0-9,]+ B\\); --budgets min plans at it\n",
+        f"smallest feasible one, {least} B \\(plain peak [0-9,]+ B\\); --budgets min plans at it; "
+        "did you mean 2%\\?\n",  # 2 is bytes, as a number without a unit is
         err,
     )
 
@@ -357,11 +358,18 @@ def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_pat
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
     _plan.write_pareto([result], tmp_path / "p.png")
     (ax,) = figures[0].axes
-    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert ax.get_ylabel() == "time recomputation adds to a step (% of plain)"
+    budget_lines = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert [line.get_xdata()[0] for line in budget_lines] == [
+        row.budget_bytes / 2**20 for row in result.rows
+    ]
+    assert [t.get_text() for t in ax.texts if t.get_text() in ("min", "90%")] == ["min", "90%"]
+    lines = {line.get_label(): line for line in ax.get_lines() if line not in budget_lines[1:]}
     assert list(lines) == [
         "optimal DP (measured peak, predicted time)",
         "uniform segments, k = 1..L (measured peak, predicted time)",
         "forget-all (measured peak, predicted time)",
+        "the budgets (--budgets): a plan's peak lies on or left of its own",
         "store-all (plain, measured)",
         "our plans (measured peak, predicted time)",
         "our plans (measured peak, measured time, noisy)",

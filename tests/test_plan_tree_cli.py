@@ -88,7 +88,9 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
 
     monkeypatch.setattr(Figure, "savefig", keep)
     out_json, png = encoder_dir / "plan.json", encoder_dir / "pareto.png"
-    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "70%,1000,min", "--repeats", "1"]
+    # 0.7: a share of the plain peak, as the Python API reads it; 60: bytes, as any
+    # number without a unit; 6 GB: above the plain peak.
+    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "0.7,60,min,6 GB", "--repeats", "1"]
     argv += ["--quiet", "--json", str(out_json), "--plot", str(png)]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
@@ -100,31 +102,40 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert payload["candidates"] == 7
     assert list(payload["options"]) == ["selective", "regenerate"]  # NOTE [default options]
     rows = {row["budget"]: row for row in payload["budgets"]}
-    assert list(rows) == ["70%", "1000", "min"]
-    assert rows["1000"] == {
-        "budget": "1000",
-        "budget_bytes": 1000,
+    assert list(rows) == ["0.7", "60", "min", "6 GB"]
+    assert rows["60"] == {
+        "budget": "60",
+        "budget_bytes": 60,
         "infeasible": True,
         "min_feasible_bytes": payload["min_feasible_bytes"],
     }
-    plans = {label: forget.TreePlan.from_dict(rows[label]["plan"]) for label in ("70%", "min")}
+    plans = {
+        label: forget.TreePlan.from_dict(rows[label]["plan"]) for label in ("0.7", "min", "6 GB")
+    }
     for label, plan in plans.items():
         assert plan.measured_peak_bytes <= plan.budget_bytes
         # What is printed is the plan's own text, exactly, under a line naming the budget.
         assert f"plan_tree_encoder:with_loss @ {label}:\n{plan}\n" in out
     assert plans["min"].budget_bytes == payload["min_feasible_bytes"]
     assert plans["min"].measured_peak_bytes == payload["min_feasible_bytes"]
-    assert plans["70%"].budget_bytes == int(0.7 * payload["plain_peak_bytes"])
+    assert plans["0.7"].budget_bytes == int(0.7 * payload["plain_peak_bytes"])
     assert set(plans["min"].choices) >= {f"encoder.layers.{i}" for i in range(2)}
     assert "      encoder.layers.0 (Block) " in out  # indented two levels below the model
     assert (
-        "plan_tree_encoder:with_loss @ 1000:\ninfeasible: the budget 1,000 B is below the "
-        f"least feasible one, {payload['min_feasible_bytes']:,} B; --budgets min plans at it"
+        "plan_tree_encoder:with_loss @ 60:\ninfeasible: the budget 60 B is below the "
+        f"least feasible one, {payload['min_feasible_bytes']:,} B; --budgets min plans at it; "
+        "did you mean 60%?\n"
+    ) in out
+    # Above the plain peak: the plain step, and a line under it that says why.
+    assert plans["6 GB"].choices == {}
+    assert (
+        f"{plans['6 GB']}\n  the budget 6,000,000,000 B is at or above the plain step's peak, "
+        f"{payload['plain_peak_bytes']:,} B: the plain step fits, so nothing is forgotten\n"
     ) in out
     table = out[out.index(TABLE_HEADER.split()[0] + "  ") :].splitlines()
     assert table[0].split() == TABLE_HEADER.split()
     assert set(table[1]) <= {"-", " "}
-    assert [line.split()[0] for line in table[2:5]] == ["70%", "1000", "min"]
+    assert [line.split()[0] for line in table[2:6]] == ["0.7", "60", "min", "6"]
     assert table[3].split()[-1] == "infeasible"
     assert table[4].split()[3] == "1.000"  # min: the peak is the budget
     assert out.splitlines()[-2:] == [
@@ -133,20 +144,29 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     ]
     assert png.read_bytes()[:8] == PNG
     (ax,) = figures[0].axes
-    lines = {line.get_label(): line for line in ax.get_lines()}
+    # The title in two lines (one was cut off at the figure's edge), the axis in words.
+    assert ax.get_title() == "plan_tree_encoder:with_loss\nNet, 7 candidate modules"
+    assert ax.get_ylabel() == "time recomputation adds to a step (% of plain)"
+    budget_lines = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert [line.get_xdata()[0] for line in budget_lines] == [
+        plans[label].budget_bytes / 2**20 for label in ("0.7", "min", "6 GB")
+    ]  # one dashed line per budget planned, named at the top
+    assert [t.get_text() for t in ax.texts] == ["0.7", "min", "6 GB"]
+    lines = {line.get_label(): line for line in ax.get_lines() if line not in budget_lines[1:]}
     assert list(lines) == [
         "assignments measured (allocator peak, predicted time)",
         "least time at each peak, of those measured",
         "every innermost candidate forgotten (measured peak, predicted time)",
+        "the budgets (--budgets): a plan's peak lies on or left of its own",
         "store-all (plain, measured)",
         "our plans (measured peak, predicted time)",
         "our plans (measured peak, measured time, noisy)",
     ]
     stars = lines["our plans (measured peak, predicted time)"]
     plain_s = payload["plain_step_s"]
-    want = [100 * plans[label].predicted_extra_s / plain_s for label in ("70%", "min")]
+    want = [100 * plans[label].predicted_extra_s / plain_s for label in ("0.7", "min", "6 GB")]
     assert list(stars.get_ydata()) == pytest.approx(want)
-    assert list(stars.get_xdata()) == [plans[k].measured_peak_bytes / 2**20 for k in ("70%", "min")]
+    assert list(stars.get_xdata()) == [p.measured_peak_bytes / 2**20 for p in plans.values()]
     peaks = [m["peak_bytes"] for m in payload["measured"]]
     assert min(peaks) == payload["min_feasible_bytes"]
     # The plain step never ran (NOTE [tree figures]): its peak is predicted, above these.
@@ -156,7 +176,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
 def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_clock, capsys):
     out_json = encoder_dir / "plan.json"
     argv = ["plan", str(encoder_dir / "plan_tree_encoder.py") + ":tensor_batch"]
-    argv += ["--candidate", "encoder.layers.?", "--budgets", "1000", "--repeats", "1"]
+    argv += ["--candidate", "encoder.layers.?", "--budgets", "100", "--repeats", "1"]
     assert cli_main([*argv, "--quiet", "--no-options", "--json", str(out_json)]) == 2
     captured = capsys.readouterr()
     payload = json.loads(out_json.read_text())
@@ -168,8 +188,69 @@ def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_cloc
     assert captured.err.splitlines()[-1] == (
         f"forget plan: no budget of {argv[1]} could be planned: each lies below the smallest "
         f"feasible one, {payload['min_feasible_bytes']:,} B (plain peak "
-        f"{payload['plain_peak_bytes']:,} B); --budgets min plans at it"
+        f"{payload['plain_peak_bytes']:,} B); --budgets min plans at it; did you mean 100%?"
     )
+
+
+# An embedding, three residual MLP blocks and a head.
+EMBEDDING = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.fc2(self.act(self.fc1(x)))
+
+
+    class Net(nn.Module):
+        def __init__(self, vocab=64, d=16, depth=3):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+
+    def build():
+        ids = torch.randint(0, 64, (4, 32))
+        return Net().train(), (ids,), lambda out: out.logsumexp(-1).mean()
+    """
+)
+
+
+def test_a_region_that_frees_nothing_is_not_chosen(tmp_path, monkeypatch, fixed_clock, capsys):
+    (tmp_path / "plan_tree_embedding.py").write_text(EMBEDDING)
+    monkeypatch.chdir(tmp_path)
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "plan_tree_embedding:build", "--budgets", "min", "--repeats", "1"]
+    assert cli_main([*argv, "--no-options", "--quiet", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(out_json.read_text())
+    plan = forget.TreePlan.from_dict(payload["budgets"][0]["plan"])
+    measured = {tuple(sorted(m["choices"])): m["peak_bytes"] for m in payload["measured"]}
+    # The least peak measured is the baseline's, which forgets every innermost candidate;
+    # forgetting the embedding (its ids are alive anyway) and the head (it holds its input
+    # either way) frees nothing: without them the step peaks the same, and re-runs less.
+    blocks = ("blocks.0", "blocks.1", "blocks.2")
+    assert measured[tuple(sorted(("embed", *blocks, "head")))] == plan.measured_peak_bytes
+    assert plan.choices == dict.fromkeys(blocks, "forget")
+    # The cost model put the plan above its budget; the measured peak, which decides, fits.
+    assert plan.predicted_peak_bytes > plan.budget_bytes == plan.measured_peak_bytes
+    assert (
+        f"predicted {plan.predicted_peak_bytes:,} B\n  the measured peak decides, and it fits "
+        "the budget; the predicted one, the cost model's, only chose which plans to measure\n"
+    ) in out
 
 
 def test_plan_hugging_face_factory_with_a_dict_batch(tmp_path, monkeypatch, fixed_clock, capsys):
@@ -255,6 +336,85 @@ def test_plan_factory_errors_are_one_line(target, extra, message, tmp_path, monk
     assert len(captured.err.splitlines()) == 1, captured.err  # no traceback
     assert captured.err.startswith("forget: ")
     assert message in captured.err
+
+
+BAD_FORWARD = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask):
+            return self.lin(x) * mask
+
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Masked() for _ in range(2))
+
+        def forward(self, x, scale=1.0):
+            for block in self.blocks:
+                x = block(x)
+            return x * scale
+
+
+    def root():
+        return Masked().train(), (torch.ones(2, 4),)
+
+
+    def inner():
+        return Outer().train(), {"x": torch.ones(2, 4, dtype=torch.float64), "scale": 2.0}
+    """
+)
+_MISSING = "TypeError: Masked.forward() missing 1 required positional argument: 'mask'"
+_FIX = "fix the model or what the factory gives it (--traceback or FORGET_TRACEBACK=1 prints"
+
+
+@pytest.mark.parametrize("command", ["plan", "profile"])
+@pytest.mark.parametrize(
+    ("factory", "call"),
+    [
+        ("root", "the model (Masked) with (float32[2, 4])"),
+        ("inner", "blocks.0 (Masked) with (float64[2, 4])"),
+    ],
+)
+def test_an_error_in_the_users_model_is_one_line_naming_the_call(
+    command, factory, call, tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "plan_tree_badfwd.py").write_text(BAD_FORWARD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FORGET_TRACEBACK", raising=False)
+    target = f"plan_tree_badfwd.py:{factory}"
+    assert cli_main([command, target, "--repeats", "1", "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"forget: the step of {target} failed calling {call}: {_MISSING}; {_FIX} the whole trace)\n"
+    )
+
+
+def test_traceback_prints_the_whole_trace_before_the_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "plan_tree_badfwd.py").write_text(BAD_FORWARD)
+    monkeypatch.chdir(tmp_path)
+    argv = ["plan", "plan_tree_badfwd:inner", "--repeats", "1", "--quiet"]
+    assert cli_main([*argv, "--traceback"]) == 2
+    by_flag = capsys.readouterr().err.splitlines()
+    monkeypatch.setenv("FORGET_TRACEBACK", "1")
+    assert cli_main(argv) == 2
+    by_env = capsys.readouterr().err.splitlines()
+    for err in (by_flag, by_env):
+        assert err[0] == "Traceback (most recent call last):"
+        assert err[-2:] == [
+            _MISSING,
+            f"forget: the step of plan_tree_badfwd:inner failed calling blocks.0 (Masked) with "
+            f"(float64[2, 4]): {_MISSING}; {_FIX} the whole trace)",
+        ]
 
 
 def test_candidate_needs_a_target(capsys):

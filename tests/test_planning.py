@@ -489,6 +489,9 @@ def test_plan_prints_a_table():
         (0.5, 500),
         ("25%", 250),
         (1.0, 1000),
+        ("0.6", 600),  # a number with a point and no unit: a share, as the float 0.6 is
+        (".25", 250),
+        ("1.0", 1000),
     ],
 )
 def test_budget_strings_and_fractions(budget, expected):
@@ -507,6 +510,8 @@ def test_budget_strings_and_fractions(budget, expected):
         ("12 parsecs", ValueError),
         ("", ValueError),
         ("150%", ValueError),
+        ("1.5", ValueError),  # a share above 1, not one byte
+        ("0.0", ValueError),
     ],
 )
 def test_bad_budgets(budget, error):

@@ -6,7 +6,9 @@ import json
 import textwrap
 
 import pytest
+import torch
 
+import forget
 from forget.cli import _profile
 from forget.cli import main as cli_main
 
@@ -18,6 +20,25 @@ def build():
         torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)
     )
     return torch.nn.Sequential(*[layer() for _ in range(3)])
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+            for _ in range(3)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+def tree():
+    return Net().train(), (torch.randn(16, 8),)
+
+def alone():
+    return Net()
 """
 
 
@@ -94,3 +115,61 @@ def test_an_infeasible_profile_says_what_it_wrote(factory_dir, capsys):
         f"wrote {png}: live memory over one plain step only: no plan for the budget 1000",
     ]
     assert json.loads(out_json.read_text())["plan"] is None
+
+
+def test_profile_takes_the_factory_plan_takes(factory_dir, fixed_clock, capsys):
+    # `forget plan user_models:tree` plans it; `forget profile` profiles the same target.
+    png, out_json = factory_dir / "timeline.png", factory_dir / "profile.json"
+    argv = ["profile", "user_models.py:tree", "--budget", "min", "--repeats", "1", "--quiet"]
+    assert cli_main([*argv, "--timeline", str(png), "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    plan = forget.TreePlan.from_dict(data["plan"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[:3] == [
+        "forget profile: user_models.py:tree, Net over its module tree, 3 candidate modules, "
+        f"torch {torch.__version__}",
+        f"plain step: peak {data['plain_peak_bytes']:,} B "
+        f"({forget.schedules.format_bytes(data['plain_peak_bytes'])}) by the allocator "
+        f"(profiler); ledger {plan.plain_ledger_peak_bytes:,} B",
+        "module                         kept B       input B     fwd ms",
+    ]
+    # A layer keeps its first Linear's and GELU's outputs, 2 x 16 x 32 floats, and its
+    # input, 16 x 8 floats, which is all it holds when forgotten (the first layer's input
+    # is the batch, alive anyway); the fixed clock gives every module 1 ms.
+    assert lines[4:6] == [
+        "  layers.0 (Sequential)         4,096             0      1.000",
+        "  layers.1 (Sequential)         4,608           512      1.000",
+    ]
+    assert [m["name"] for m in data["modules"]] == ["<model>", *(f"layers.{i}" for i in range(3))]
+    assert f"\n{plan}\n" in out
+    assert plan.budget_bytes == plan.min_feasible_bytes == plan.measured_peak_bytes
+    assert max(data["timeline"]["plain"]) == plan.plain_ledger_peak_bytes
+    assert max(data["timeline"]["planned"]) == plan.ledger_peak_bytes
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "user_models:alone",  # the model alone: the contract, and how to give a chain instead
+        "user_models:nothing",
+        "no_such_module_xyz:build",
+        "missing.py:build",
+    ],
+)
+def test_profile_refuses_a_target_as_plan_does(factory_dir, target, capsys):
+    assert cli_main(["plan", target, "--quiet"]) == 2
+    by_plan = capsys.readouterr().err
+    assert cli_main(["profile", target, "--quiet"]) == 2
+    by_profile = capsys.readouterr().err
+    assert by_profile == by_plan.replace("forget plan --model", "forget profile")
+    assert len(by_profile.splitlines()) == 1 and by_profile.startswith("forget: ")
+
+
+def test_profile_refuses_an_input_shape_beside_a_batch(factory_dir, capsys):
+    assert cli_main(["profile", "user_models:tree", "--input-shape", "4,64", "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        "forget: --input-shape gives a chain its random input; user_models:tree() returned its "
+        "own batch, a tuple: leave --input-shape out\n"
+    )

@@ -1,4 +1,4 @@
-"""What every command shares: argument parsing, budgets, progress bars, units, plot hints.
+"""What every command shares: targets, argument parsing, budgets, errors, progress bars, plots.
 
 Each command module (`_demo`, `_bench`, `_plan`, `_profile`) imports from here
 and from the public names of the other packages, never from another command.
@@ -9,13 +9,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
+import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from .. import policies
 from .. import schedules as P
@@ -41,6 +46,24 @@ def resolve_budget(label: str, plain_peak_bytes: int, min_feasible_bytes: int) -
     return P.parse_budget(label, plain_peak_bytes)
 
 
+def percent_hint(label: str) -> str:
+    """``"; did you mean 60%?"`` for a bare ``60`` (read as bytes), else ``""``.
+
+    A whole number from 1 to 100 without a unit is read as bytes, like any
+    other, and no step fits in 100 bytes: a user who wrote it meant a share.
+    """
+    whole = re.fullmatch(r"\s*(100|[1-9][0-9]?)\s*", label)
+    return f"; did you mean {label.strip()}%?" if whole else ""
+
+
+def above_plain_note(budget_bytes: int, plain_peak_bytes: int) -> str:
+    """The note for a budget at or above the plain step's peak: nothing need be forgotten."""
+    return (
+        f"the budget {budget_bytes:,} B is at or above the plain step's peak, "
+        f"{plain_peak_bytes:,} B: the plain step fits, so nothing is forgotten"
+    )
+
+
 # ---------------------------------------------------------------- output
 
 
@@ -51,7 +74,10 @@ def mib(n_bytes: int) -> str:
 
 def plot_hint(flag: str) -> str:
     """The message for a PNG flag without matplotlib."""
-    return f"forget: {flag} needs matplotlib; install it with pip install 'torch-forget[plot]'"
+    return (
+        f"forget: {flag} needs matplotlib; install it with pip install matplotlib "
+        "(the [plot] extra)"
+    )
 
 
 def require_matplotlib(flag: str) -> None:
@@ -62,14 +88,40 @@ def require_matplotlib(flag: str) -> None:
         raise ValueError(plot_hint(flag)) from None
 
 
-def draw_plans(ax: Any, plain_peak_bytes: int, plans: Sequence[tuple[int, float, float]]) -> None:
-    """Finish a Pareto axis (peak MiB against step-time overhead %): plain, the plans, labels.
+def draw_plans(
+    ax: Any,
+    plain_peak_bytes: int,
+    plans: Sequence[tuple[int, float, float]],
+    budgets: Sequence[tuple[str, int]] = (),
+) -> None:
+    """Finish a Pareto axis (peak MiB against step-time overhead %): plain, plans, budgets, labels.
 
     ``plans``: per plan, its measured peak in bytes, its predicted overhead and
     its measured overhead, both fractions of the plain step's time. Like with
     like: a plan is drawn where the curves are (measured peak, predicted time)
     and again at its measured time, which carries the run's timing noise.
+    ``budgets``: ``(label, bytes)`` of each budget planned, a dashed vertical
+    line each, named at the top: a plan lies on or left of its budget's line.
     """
+    for i, (label, budget_bytes) in enumerate(budgets):
+        ax.axvline(
+            budget_bytes / MIB,
+            color="gray",
+            linestyle="--",
+            linewidth=1,
+            label="the budgets (--budgets): a plan's peak lies on or left of its own"
+            if i == 0
+            else None,
+        )
+        ax.annotate(
+            label,
+            (budget_bytes / MIB, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, -10),
+            textcoords="offset points",
+            fontsize=7,
+            color="gray",
+        )
     ax.plot(
         [plain_peak_bytes / MIB], [0.0], "k^", markersize=9, label="store-all (plain, measured)"
     )
@@ -87,8 +139,8 @@ def draw_plans(ax: Any, plain_peak_bytes: int, plans: Sequence[tuple[int, float,
         markersize=7,
         label="our plans (measured peak, measured time, noisy)",
     )
-    ax.set_xlabel("peak memory of one step (MiB)")
-    ax.set_ylabel("step-time overhead vs plain (%): predicted, except x")
+    ax.set_xlabel("peak memory of one training step (MiB)")
+    ax.set_ylabel("time recomputation adds to a step (% of plain)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 
@@ -100,7 +152,7 @@ def wrote(path: Path, what: str) -> None:
 
 _NO_TQDM_NOTE = (
     "forget: no progress bars: tqdm is not installed; "
-    "pip install 'torch-forget[cli]' adds them (--quiet hides this note)."
+    "pip install tqdm (the [cli] extra) adds them (--quiet hides this note)."
 )
 _noted_no_tqdm = False
 
@@ -174,6 +226,19 @@ def model_and_inputs(
                 f"got {spec!r}"
             )
         model = call_factory(spec, seed)
+        if isinstance(model, tuple):
+            raise ValueError(
+                f"forget: {spec}() returned a tuple, (model, batch), which forget plans over its "
+                f"module tree: forget plan {spec} (--model and --input-shape take a factory "
+                "that returns a chain alone)"
+            )
+    return chain_inputs(spec, model, seed, input_shape)
+
+
+def chain_inputs(
+    spec: str, model: Any, seed: int, input_shape: str | None
+) -> tuple[str, Any, tuple[Any, ...]]:
+    """A chain's random input batch: a reference model's own, or ``--input-shape``'s."""
     generator = torch.Generator().manual_seed(seed)
     if isinstance(model, BlockModel):
         return spec, model, model.example_input(generator=generator)
@@ -229,10 +294,163 @@ def call_factory(spec: str, seed: int) -> Any:
         raise ValueError(f"forget: {spec}() raised {first_line(exc)}") from exc
 
 
+_CONTRACT = (
+    "return (model, batch) or (model, batch, loss_fn): an nn.Module, a tuple of "
+    "positional inputs or a dict of keyword inputs (or one tensor), and optionally "
+    "output -> scalar loss"
+)
+
+
+@dataclass(frozen=True)
+class UserStep:
+    """What a factory returned, checked (NOTE [factory contract] in `._plan_tree`)."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], Tensor] | None
+
+
+def load_step(spec: str, seed: int, command: str = "plan") -> UserStep:
+    """Call the factory ``spec`` names and check what it returned (NOTE [factory contract]).
+
+    Raises:
+        ValueError: one line: ``spec`` names no callable, the factory raised, or
+            it returned something else than the contract's tuple.
+    """
+    return check_factory_output(spec, call_factory(spec, seed), command)
+
+
+def check_factory_output(spec: str, out: object, command: str = "plan") -> UserStep:
+    """Read ``(model, batch[, loss_fn])`` (NOTE [factory contract]); a one-line ValueError else.
+
+    ``command`` (``plan``, ``profile``) names the command in the hint for a factory
+    that returns a chain alone.
+    """
+    if isinstance(out, nn.Module):
+        chain = "--model module:factory" if command == "plan" else "module:factory"
+        raise ValueError(
+            f"forget: {spec}() returned only the model ({type(out).__name__}); {_CONTRACT} "
+            f"(a chain with a random input: forget {command} {chain} --input-shape ...)"
+        )
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise ValueError(f"forget: {spec}() must {_CONTRACT}; it returned {_describe(out)}")
+    model, batch = out[0], out[1]
+    loss_fn = out[2] if len(out) == 3 else None
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"forget: {spec}() returned a model of type {type(model).__name__}, not an "
+            f"nn.Module; {_CONTRACT}"
+        )
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = {}
+    if isinstance(batch, Tensor):
+        args = (batch,)
+    elif isinstance(batch, tuple):
+        args = batch
+    elif isinstance(batch, Mapping) and all(isinstance(k, str) for k in batch):
+        kwargs = dict(batch)
+    else:
+        raise ValueError(
+            f"forget: {spec}() returned a batch of type {type(batch).__name__}; the batch is "
+            "a tuple of positional inputs (model(*batch)), a dict of keyword inputs with "
+            "str keys (model(**batch)), or one tensor"
+            + (": make the list a tuple" if isinstance(batch, list) else "")
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(
+            f"forget: {spec}() returned a loss_fn of type {type(loss_fn).__name__}; the third "
+            "item is a callable, output -> scalar loss (or None, or leave it out)"
+        )
+    return UserStep(model, args, kwargs, loss_fn)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, tuple):
+        items = ", ".join(type(v).__name__ for v in value)
+        return f"a tuple of {len(value)} ({items})"
+    return f"a {type(value).__name__}"
+
+
 def first_line(exc: BaseException) -> str:
     """``Type: message`` of an exception, cut to its first line (for one-line errors)."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def describe_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """A module call's inputs in one line: ``(float32[4, 16], mask=None)``."""
+
+    def one(value: Any) -> str:
+        if isinstance(value, Tensor):
+            return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        if value is None or isinstance(value, bool | int | float):
+            return repr(value)
+        return type(value).__name__
+
+    items = [one(v) for v in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return "(" + ", ".join(items[:8]) + (", ..." if len(items) > 8 else "") + ")"
+
+
+#: Set (to anything but 0) to have every command print a failing step's whole trace.
+TRACEBACK_ENV = "FORGET_TRACEBACK"
+TRACEBACK_HELP = (
+    f"where your model, batch or loss raises, print the whole trace before the one-line "
+    f"error (or set {TRACEBACK_ENV}=1)"
+)
+
+
+def step_error(exc: BaseException, spec: str, model: nn.Module | None, show: bool) -> str | None:
+    """The one line a command prints for an error of the user's step, or None for a bug.
+
+    NOTE [the user's errors]: what a user's model, batch or loss function
+    raises while forget runs the step is a broken target, like a factory
+    that does not load: one ``forget:`` line and exit status 2, not a trace
+    through the planner. The line names the innermost call of a module of
+    ``model`` that the error passed through (found in the traceback, where
+    torch's ``Module._call_impl`` holds the module and its inputs) with the
+    inputs it got. A ``forget:`` error about the step is printed as it is.
+    Anything else, raised in forget's own code, is a bug in forget and
+    keeps its trace (None). ``show`` (``--traceback``, or `TRACEBACK_ENV`)
+    prints the whole trace before the line.
+    """
+    text = str(exc)
+    if isinstance(exc, TypeError | ValueError) and text.startswith("forget:"):
+        line = text
+    else:
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        if not frames or _in_forget(frames[-1].f_code.co_filename):
+            return None
+        where = _failed_call(frames, model)
+        line = (
+            f"forget: the step of {spec} failed{where}: {first_line(exc)}; fix the model or "
+            f"what the factory gives it (--traceback or {TRACEBACK_ENV}=1 prints the whole trace)"
+        )
+    if show or os.environ.get(TRACEBACK_ENV, "0") not in ("", "0"):
+        traceback.print_exception(exc, file=sys.stderr)
+    return line
+
+
+_FORGET_SOURCE = str(Path(__file__).resolve().parent.parent)
+
+
+def _in_forget(filename: str) -> bool:
+    return str(Path(filename).resolve()).startswith(_FORGET_SOURCE + os.sep)
+
+
+def _failed_call(frames: Sequence[Any], model: nn.Module | None) -> str:
+    """``" calling blocks.1 (Inner) with (float32[4, 16])"``: the innermost module call."""
+    if model is None:
+        return ""
+    names = {id(module): name for name, module in model.named_modules()}
+    for frame in reversed(frames):
+        local = frame.f_locals
+        module = local.get("self")
+        if frame.f_code.co_name == "_call_impl" and id(module) in names:
+            name = names[id(module)] or "the model"
+            inputs = describe_inputs(local.get("args", ()), local.get("kwargs") or {})
+            return f" calling {name} ({type(module).__name__}) with {inputs}"
+    return ""
 
 
 @contextlib.contextmanager

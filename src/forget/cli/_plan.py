@@ -41,15 +41,19 @@ from . import _plan_tree
 from ._common import (
     BUDGET_HELP,
     OPTION_GROUPS,
+    TRACEBACK_HELP,
     Progress,
+    above_plain_note,
     check_budget,
     draw_plans,
     mib,
     model_and_inputs,
     parse_option,
     parse_setting,
+    percent_hint,
     require_matplotlib,
     resolve_budget,
+    step_error,
     wrote,
 )
 
@@ -324,6 +328,7 @@ def write_pareto(results: Sequence[ModelResult], path: Path) -> None:
             ax,
             result.plain_peak_bytes,
             [(p.measured_peak_bytes, p.predicted_overhead, measured) for p, measured in plans],
+            [(r.label, r.budget_bytes) for r in result.rows if r.plan is not None],
         )
         split = f", {len(chain)} stages" if len(chain) != blocks else ""
         ax.set_title(f"{result.name} ({blocks} blocks{split})")
@@ -427,6 +432,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--show", action="store_true", help="also print each plan's stage table")
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
+    p.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     return p
 
 
@@ -510,9 +516,21 @@ def main(argv: Sequence[str]) -> int:
     try:
         with frozen_heap():  # NOTE [frozen heap] in forget._measure
             for name, model, inputs in built:
-                planner = Planner(
-                    model, inputs, options=options or None, repeats=args.repeats, split=args.split
-                )
+                try:
+                    planner = Planner(
+                        model,
+                        inputs,
+                        options=options or None,
+                        repeats=args.repeats,
+                        split=args.split,
+                    )
+                except Exception as exc:  # NOTE [the user's errors] in ._common
+                    progress.close()
+                    line = step_error(exc, name, model, args.traceback)
+                    if line is None:
+                        raise
+                    print(line, file=sys.stderr)
+                    return 2
                 progress.update(f"{name} profiled")
                 done = functools.partial(_budget_done, progress, name)
                 results.append(
@@ -529,6 +547,11 @@ def main(argv: Sequence[str]) -> int:
         for name, policy in options.items():
             print(f"option {name}: {policy}")
     print(format_table(results))
+    for result in results:
+        for row in result.rows:
+            if row.plan is not None and row.budget_bytes >= result.plain_peak_bytes:
+                print(f"{result.name} @ {row.label}: " + above_plain_note(
+                    row.budget_bytes, result.plain_peak_bytes))  # fmt: skip
     if args.show:
         for result in results:
             for row in result.rows:
@@ -554,7 +577,8 @@ def main(argv: Sequence[str]) -> int:
         print(
             f"forget plan: no budget of {r.name} could be planned: each lies below the "
             f"smallest feasible one, {r.min_feasible_bytes:,} B (plain peak "
-            f"{r.plain_peak_bytes:,} B); --budgets min plans at it",
+            f"{r.plain_peak_bytes:,} B); --budgets min plans at it"
+            + next(filter(None, (percent_hint(row.label) for row in r.rows)), ""),
             file=sys.stderr,
         )
     return 2 if unplanned else 0

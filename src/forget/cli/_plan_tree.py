@@ -26,36 +26,30 @@ import contextlib
 import json
 import statistics
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
 from ..errors import BudgetInfeasibleError
 from ..memory import frozen_heap
 from ..planning import TreePlan, TreePlanner, time_calls, untouched, zero_grads
 from ..policies import Policy
 from ..schedules import MIB
-from ._common import Progress, call_factory, draw_plans, resolve_budget, wrote
-
-_CONTRACT = (
-    "return (model, batch) or (model, batch, loss_fn): an nn.Module, a tuple of "
-    "positional inputs or a dict of keyword inputs (or one tensor), and optionally "
-    "output -> scalar loss"
+from ._common import (
+    Progress,
+    UserStep,
+    above_plain_note,
+    draw_plans,
+    load_step,
+    percent_hint,
+    resolve_budget,
+    step_error,
+    wrote,
 )
-
-
-@dataclass(frozen=True)
-class UserStep:
-    """What a factory returned, checked (NOTE [factory contract])."""
-
-    model: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    loss_fn: Callable[[Any], Tensor] | None
 
 
 @dataclass
@@ -101,10 +95,12 @@ def run(
             for row in rows:
                 row.overhead = overheads.get(row.label, 0.0)
             progress.update("timed")
-    except (TypeError, ValueError) as exc:
-        if not str(exc).startswith("forget:"):
+    except Exception as exc:  # NOTE [the user's errors] in ._common
+        progress.close()
+        line = step_error(exc, spec, step.model, args.traceback)
+        if line is None:
             raise
-        print(exc, file=sys.stderr)  # the step the factory gave is no step forget can plan
+        print(line, file=sys.stderr)  # the step the factory gave is no step forget can plan
         return 2
     finally:
         progress.close()
@@ -123,10 +119,12 @@ def run(
         if row.plan is None:
             print(
                 f"infeasible: the budget {row.budget_bytes:,} B is below the least feasible "
-                f"one, {least:,} B; --budgets min plans at it"
+                f"one, {least:,} B; --budgets min plans at it{percent_hint(row.label)}"
             )
         else:
             print(row.plan)
+            if row.budget_bytes >= planner.plain_peak:
+                print(f"  {above_plain_note(row.budget_bytes, planner.plain_peak)}")
     print()
     print(format_tree_table(rows, plain_s))
     if not args.quiet:
@@ -146,70 +144,11 @@ def run(
         print(
             f"forget plan: no budget of {spec} could be planned: each lies below the smallest "
             f"feasible one, {least:,} B (plain peak {planner.plain_peak:,} B); --budgets min "
-            "plans at it",
+            "plans at it" + next(filter(None, (percent_hint(r.label) for r in rows)), ""),
             file=sys.stderr,
         )
         return 2
     return 0
-
-
-# ------------------------------------------------------------------ the factory
-
-
-def load_step(spec: str, seed: int) -> UserStep:
-    """Call the factory ``spec`` names and check what it returned (NOTE [factory contract]).
-
-    Raises:
-        ValueError: one line: ``spec`` names no callable, the factory raised, or
-            it returned something else than the contract's tuple.
-    """
-    return check_factory_output(spec, call_factory(spec, seed))
-
-
-def check_factory_output(spec: str, out: object) -> UserStep:
-    """Read ``(model, batch[, loss_fn])`` (NOTE [factory contract]); a one-line ValueError else."""
-    if isinstance(out, nn.Module):
-        raise ValueError(
-            f"forget: {spec}() returned only the model ({type(out).__name__}); {_CONTRACT} "
-            "(a chain with a random input: forget plan --model module:factory --input-shape ...)"
-        )
-    if not isinstance(out, tuple) or len(out) not in (2, 3):
-        raise ValueError(f"forget: {spec}() must {_CONTRACT}; it returned {_describe(out)}")
-    model, batch = out[0], out[1]
-    loss_fn = out[2] if len(out) == 3 else None
-    if not isinstance(model, nn.Module):
-        raise ValueError(
-            f"forget: {spec}() returned a model of type {type(model).__name__}, not an "
-            f"nn.Module; {_CONTRACT}"
-        )
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = {}
-    if isinstance(batch, Tensor):
-        args = (batch,)
-    elif isinstance(batch, tuple):
-        args = batch
-    elif isinstance(batch, Mapping) and all(isinstance(k, str) for k in batch):
-        kwargs = dict(batch)
-    else:
-        raise ValueError(
-            f"forget: {spec}() returned a batch of type {type(batch).__name__}; the batch is "
-            "a tuple of positional inputs (model(*batch)), a dict of keyword inputs with "
-            "str keys (model(**batch)), or one tensor"
-            + (": make the list a tuple" if isinstance(batch, list) else "")
-        )
-    if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(
-            f"forget: {spec}() returned a loss_fn of type {type(loss_fn).__name__}; the third "
-            "item is a callable, output -> scalar loss (or None, or leave it out)"
-        )
-    return UserStep(model, args, kwargs, loss_fn)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, tuple):
-        items = ", ".join(type(v).__name__ for v in value)
-        return f"a tuple of {len(value)} ({items})"
-    return f"a {type(value).__name__}"
 
 
 # ------------------------------------------------------------------ planning and timing
@@ -389,8 +328,18 @@ def write_tree_pareto(
         ax,
         planner.plain_peak,
         [(p.measured_peak_bytes, p.predicted_extra_s / plain_s, over) for p, over in plans],
+        [(r.label, r.budget_bytes) for r in rows if r.plan is not None],
     )
     model = type(planner.step.model).__name__
-    ax.set_title(f"{spec} ({model}, {len(planner.tree) - 1} candidate modules)")
-    fig.suptitle("forget plan: allocator peak vs recomputation overhead")
+    # Two short lines, each wrapped to the figure's width: one long line was cut off.
+    ax.set_title(
+        "\n".join(
+            [
+                *textwrap.wrap(spec, 60),
+                f"{model}, {len(planner.tree) - 1} candidate modules",
+            ]
+        ),
+        fontsize=9,
+    )
+    fig.suptitle("forget plan: peak memory vs time added by recomputation")
     fig.savefig(path, dpi=120)

@@ -1,10 +1,13 @@
 """``forget profile MODEL``: the memory ledger of a user's model, a plan, a memory timeline.
 
-MODEL is ``module:factory`` (a callable returning an ``nn.Sequential``, a list of
-blocks or a reference model) or a reference model's name. The command prints
-the plain step's exact figures, what each block keeps for backward, the plan
-for ``--budget``, and with ``--timeline PATH`` writes a PNG of live bytes over
-one training step, op by op, plain and planned.
+MODEL is what ``forget plan`` takes: ``module:factory`` or
+``path/to/file.py:factory`` returning ``(model, batch[, loss_fn])`` (NOTE
+[factory contract] in `._plan_tree`: profiled and planned over its module
+tree), a factory returning a chain (an ``nn.Sequential``, a list of blocks)
+with ``--input-shape``, or a reference model's name. The command prints the
+plain step's exact figures, what each block or candidate module keeps for
+backward, the plan for ``--budget``, and with ``--timeline PATH`` writes a PNG
+of live bytes over one training step, op by op, plain and planned.
 """
 
 from __future__ import annotations
@@ -19,17 +22,25 @@ from typing import Any
 import torch
 
 from ..errors import BudgetInfeasibleError
-from ..memory import Ledger, watch
-from ..models import SIZES
-from ..planning import Plan, Planner, untouched, zero_grads
+from ..memory import Ledger, frozen_heap, watch
+from ..models import MODEL_NAMES, SIZES
+from ..planning import Plan, Planner, TreePlan, TreePlanner, untouched, zero_grads
 from ..schedules import MIB, format_bytes
 from ._common import (
     BUDGET_HELP,
+    TRACEBACK_HELP,
     Progress,
+    UserStep,
+    above_plain_note,
+    call_factory,
+    chain_inputs,
     check_budget,
+    check_factory_output,
     model_and_inputs,
+    percent_hint,
     require_matplotlib,
     resolve_budget,
+    step_error,
     wrote,
 )
 
@@ -65,6 +76,55 @@ def timeline(
     return ledger.samples
 
 
+def tree_timeline(planner: TreePlanner, plan: TreePlan | None) -> list[tuple[int, bool]]:
+    """`timeline` for a model planned over its module tree, under ``plan`` (None: plain)."""
+    step = planner.step
+    target = step.target()
+    ledger = _TimelineLedger()
+    with untouched(target):
+        zero_grads(target)
+        if plan is not None:
+            plan.apply(step.model)
+        try:
+            with watch(ledger):
+                step.run()
+        finally:
+            ledger.close()
+            if plan is not None:
+                plan.remove(step.model)
+    return ledger.samples
+
+
+def format_tree_ledger(planner: TreePlanner) -> str:
+    """Per candidate module, as its forward runs: what its own ops keep, its inputs, its time."""
+    types = dict(planner.structure)
+    rows: list[tuple[str, int, int, float]] = []
+
+    def visit(node: Any, depth: int) -> None:
+        path = node.name if depth else ""
+        kind = types.get(path, "?").rsplit(".", 1)[-1]
+        rows.append(
+            (
+                f"{'  ' * depth}{node.name} ({kind})",
+                node.own_bytes,
+                node.input_bytes,
+                node.forward_s,
+            )
+        )
+        for child in node.children:
+            visit(child, depth + 1)
+
+    visit(planner.tree.root, 0)
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'module':<{width}}  {'kept B':>12}  {'input B':>12}  {'fwd ms':>9}"]
+    lines += [f"{n:<{width}}  {kept:>12,}  {inp:>12,}  {s * 1e3:>9.3f}" for n, kept, inp, s in rows]
+    lines.append(
+        "(kept B: what the module's own ops keep for backward in a plain step; input B: what "
+        "it holds when forgotten, its inputs; fwd ms: its forward, children included)"
+    )
+    return "\n".join(lines)
+
+
 def format_ledger(planner: Planner) -> str:
     """Per block: what it reads, writes and keeps for backward, and its times."""
     lines = [
@@ -85,7 +145,7 @@ def write_timeline(
     name: str,
     plain: Sequence[tuple[int, bool]],
     planned: Sequence[tuple[int, bool]],
-    plan: Plan | None,
+    plan: Plan | TreePlan | None,
 ) -> None:
     """Write the PNG: live MiB over the ops of one step, plain and planned."""
     from matplotlib.figure import Figure  # lazy: an optional extra
@@ -138,8 +198,15 @@ def _parser() -> argparse.ArgumentParser:
             "and a plan for a budget; optionally draw live memory over the step."
         ),
     )
-    p.add_argument("model", help="module:factory, or a reference model name")
-    p.add_argument("--input-shape", help="the input's shape for module:factory, e.g. 64,512")
+    p.add_argument(
+        "model",
+        help=(
+            "module:factory or path/to/file.py:factory returning (model, batch) or "
+            "(model, batch, loss_fn), as forget plan takes it; a factory returning a chain "
+            "(with --input-shape); or a reference model name"
+        ),
+    )
+    p.add_argument("--input-shape", help="a chain factory's random input shape, e.g. 64,512")
     p.add_argument("--size", choices=SIZES, default="quick", help="reference model size")
     p.add_argument(
         "--budget", default="50%", help=f"budget for the plan: {BUDGET_HELP} (default 50%%)"
@@ -149,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", type=Path, metavar="PATH", help="write a memory-timeline PNG")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     return p
 
 
@@ -164,13 +232,35 @@ def main(argv: Sequence[str]) -> int:
         check_budget(args.budget)
         if args.timeline is not None:
             require_matplotlib("--timeline")
-        name, model, inputs = model_and_inputs(args.model, args.size, args.seed, args.input_shape)
+        if args.model in MODEL_NAMES or ":" not in args.model:
+            name, model, inputs = model_and_inputs(
+                args.model, args.size, args.seed, args.input_shape
+            )
+        else:
+            out = call_factory(args.model, args.seed)
+            if args.input_shape is None or isinstance(out, tuple):
+                if args.input_shape is not None:
+                    raise ValueError(
+                        f"forget: --input-shape gives a chain its random input; {args.model}() "
+                        "returned its own batch, a tuple: leave --input-shape out"
+                    )
+                return run_tree(args.model, check_factory_output(args.model, out, "profile"), args)
+            name, model, inputs = chain_inputs(args.model, out, args.seed, args.input_shape)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     progress = Progress(3, enabled=not args.quiet, desc="forget profile", unit="task")
     try:
-        planner = Planner(model, inputs, repeats=args.repeats)
+        try:
+            planner = Planner(model, inputs, repeats=args.repeats)
+        except Exception as exc:  # NOTE [the user's errors] in ._common
+            progress.close()
+            line = step_error(exc, name, model if isinstance(model, torch.nn.Module) else None,
+                              args.traceback)  # fmt: skip
+            if line is None:
+                raise
+            print(line, file=sys.stderr)
+            return 2
         progress.update("profiled")
         min_feasible = 0
         if args.budget == "min":
@@ -195,9 +285,12 @@ def main(argv: Sequence[str]) -> int:
     print(format_ledger(planner))
     print()
     if plan is None:
-        print(f"{infeasible}; --budget min plans at the smallest", file=sys.stderr)
+        hint = percent_hint(args.budget)
+        print(f"{infeasible}; --budget min plans at the smallest{hint}", file=sys.stderr)
     else:
         print(plan)
+        if plan.budget_bytes >= planner.plain_peak:
+            print(above_plain_note(plan.budget_bytes, planner.plain_peak))
     no_plan = f"no plan for the budget {args.budget}"
     if args.json is not None:
         payload = {
@@ -229,3 +322,98 @@ def main(argv: Sequence[str]) -> int:
             else f"live memory over one plain step only: {no_plan}",
         )
     return 0 if plan is not None else 2
+
+
+def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
+    """Profile ``spec``'s step over its module tree (`forget.planning.TreePlanner`)."""
+    progress = Progress(3, enabled=not args.quiet, desc="forget profile", unit="task")
+    infeasible: BudgetInfeasibleError | None = None
+    plan: TreePlan | None = None
+    try:
+        with frozen_heap():  # NOTE [frozen heap] in forget._measure
+            planner = TreePlanner(
+                step.model, step.args, step.kwargs, loss_fn=step.loss_fn, repeats=args.repeats
+            )
+            progress.update("profiled")
+            budget = resolve_budget(args.budget, planner.plain_peak, planner.least())
+            try:
+                plan = planner.plan(budget)
+            except BudgetInfeasibleError as exc:
+                infeasible = exc
+            progress.update("planned")
+            plain_line = tree_timeline(planner, None)
+            planned_line = [] if plan is None else tree_timeline(planner, plan)
+            progress.update("timeline")
+    except Exception as exc:  # NOTE [the user's errors] in ._common
+        progress.close()
+        line = step_error(exc, spec, step.model, args.traceback)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
+    finally:
+        progress.close()
+    model = type(step.model).__name__
+    print(
+        f"forget profile: {spec}, {model} over its module tree, {len(planner.tree) - 1} "
+        f"candidate modules, torch {torch.__version__}"
+    )
+    print(
+        f"plain step: peak {planner.plain_peak:,} B ({format_bytes(planner.plain_peak)}) by the "
+        f"allocator ({planner.profile.probe}); ledger {planner.profile.plain_ledger_peak_bytes:,} B"
+    )
+    print(format_tree_ledger(planner))
+    print()
+    if plan is None:
+        hint = percent_hint(args.budget)
+        print(f"{infeasible}; --budget min plans at the smallest{hint}", file=sys.stderr)
+    else:
+        print(plan)
+        if plan.budget_bytes >= planner.plain_peak:
+            print(above_plain_note(plan.budget_bytes, planner.plain_peak))
+    no_plan = f"no plan for the budget {args.budget}"
+    if args.json is not None:
+        types = dict(planner.structure)
+        payload = {
+            "model": spec,
+            "type": model,
+            "plain_peak_bytes": planner.plain_peak,
+            "modules": [
+                {
+                    "name": node.name,
+                    "type": types.get("" if node is planner.tree.root else node.name, "?"),
+                    "kept_bytes": node.own_bytes,
+                    "input_bytes": node.input_bytes,
+                    "forward_s": node.forward_s,
+                }
+                for node in _nodes(planner.tree.root)
+            ],
+            "plan": None if plan is None else plan.to_dict(),
+            "timeline": {
+                "plain": [live for live, _ in plain_line],
+                "planned": [live for live, _ in planned_line],
+            },
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        wrote(
+            args.json,
+            "the ledger, the plan and the timelines as JSON"
+            if plan is not None
+            else f'the ledger and the plain timeline as JSON; "plan" is null: {no_plan}',
+        )
+    if args.timeline is not None:
+        write_timeline(args.timeline, spec, plain_line, planned_line, plan)
+        wrote(
+            args.timeline,
+            "live memory over one step, plain and planned"
+            if plan is not None
+            else f"live memory over one plain step only: {no_plan}",
+        )
+    return 0 if plan is not None else 2
+
+
+def _nodes(node: Any) -> list[Any]:
+    out = [node]
+    for child in node.children:
+        out += _nodes(child)
+    return out

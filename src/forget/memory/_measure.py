@@ -44,6 +44,9 @@ ops, are counted).
 from __future__ import annotations
 
 import gc
+import os
+import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
@@ -138,7 +141,7 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, profile_memory=True) as prof:
+    with _without_kineto_log(), profile(activities=activities, profile_memory=True) as prof:
         result = fn(*args, **kwargs)
         gc.collect()
     tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
@@ -183,6 +186,53 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
         probe="profiler",
         result=result,
     )
+
+
+@contextmanager
+def _without_kineto_log() -> Iterator[None]:
+    """Keep the profiler's own log lines off stderr (NOTE [kineto's log]).
+
+    NOTE [kineto's log]: torch's profiler library (kineto) writes a line to
+    file descriptor 2 as each profiler starts and stops (``USDT: ...
+    SyncActivityProfilerHandler.cpp:52] profiler_start``, torch 2.13 CPU): two
+    per measured step, ten per ``forget plan`` of a small model, across the
+    progress bar and past ``--quiet``. ``sys.stderr`` never sees them (C++
+    writes the descriptor), so the descriptor itself is pointed at a temporary
+    file around the probe, and whatever else came there in the meantime (a
+    warning of the user's step, a C++ message) is written back after it, in its
+    order, without kineto's lines. ``KINETO_LOG_LEVEL=6`` silences them too, but
+    only when set before the process's first profiler starts, which a library
+    called after its user's own profiling cannot promise.
+    """
+    try:
+        _flush_stderr()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no descriptor 2 (a windowless process): nothing to keep off
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                _flush_stderr()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.readlines() if not line.startswith(_KINETO_LOG)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+_KINETO_LOG = b"USDT:"
+
+
+def _flush_stderr() -> None:
+    """Write out what Python buffered for stderr, so that it lands before the switch."""
+    if sys.stderr is not None:
+        sys.stderr.flush()
 
 
 def _read_tree(

@@ -218,6 +218,13 @@ class TreePlan(SavedAsJson):
             f"{ratio:.2f}x the plain {self.plain_peak_bytes:,} B; ledger "
             f"{self.ledger_peak_bytes:,} B (plain {self.plain_ledger_peak_bytes:,} B); "
             f"predicted {self.predicted_peak_bytes:,} B",
+        ]
+        if self.predicted_peak_bytes > self.budget_bytes >= self.measured_peak_bytes:
+            lines.append(
+                "  the measured peak decides, and it fits the budget; the predicted one, the "
+                "cost model's, only chose which plans to measure"
+            )
+        lines += [
             f"  least feasible budget: {self.min_feasible_bytes:,} B; predicted extra time "
             f"+{self.predicted_extra_s * 1e3:.3f} ms a step",
         ]

@@ -30,8 +30,10 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
     Args:
         budget: an ``int`` number of bytes; a string with a unit (``"512MiB"``,
             ``"2GB"``, ``"1.5 GiB"``, ``"1000"``; decimal units are powers of
-            1000, binary ones of 1024); a ``float`` in ``(0, 1]`` or a string
-            ``"50%"``, meaning that share of ``reference_bytes``.
+            1000, binary ones of 1024); a ``float`` in ``(0, 1]``, a string
+            ``"50%"``, or a number string with a decimal point and no unit
+            (``"0.6"``, read as the float), meaning that share of
+            ``reference_bytes``.
         reference_bytes: what a fraction is a fraction of (the plain run's peak).
 
     Returns:
@@ -45,6 +47,8 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
     Example:
         >>> parse_budget("512MiB"), parse_budget("2GB"), parse_budget(0.5, 1000)
         (536870912, 2000000000, 500)
+        >>> parse_budget("0.6", 1000), parse_budget("60%", 1000), parse_budget("60", 1000)
+        (600, 600, 60)
     """
     if isinstance(budget, bool):
         raise TypeError("forget: a budget is bytes (int), a size string or a fraction, not a bool")
@@ -61,6 +65,9 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
     if percent is not None:
         return _fraction(float(percent.group(1)) / 100, budget, reference_bytes)
     size = _SIZE.match(budget)
+    if size is not None and not size.group(2) and "." in size.group(1):
+        # "0.6" from a command line means what 0.6 means to the Python API: a share.
+        return _fraction(float(size.group(1)), budget, reference_bytes)
     if size is None or size.group(2).lower() not in _UNITS:
         raise ValueError(
             f"forget: cannot read the budget {budget!r}; write bytes with a unit "
@@ -81,7 +88,8 @@ def _fraction(share: float, given: object, reference_bytes: int | None) -> int:
     if not math.isfinite(share) or not 0 < share <= 1:
         raise ValueError(
             f"forget: a budget given as a fraction must lie in (0, 1] (a share of the plain "
-            f"run's peak), got {given!r}; give bytes as an int or a string such as '512MiB'"
+            f"run's peak), got {given!r}; give bytes as an int or a string such as '512MiB', "
+            "or a share such as 0.6 or '60%'"
         )
     if reference_bytes is None:
         raise ValueError(
