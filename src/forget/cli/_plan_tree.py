@@ -109,7 +109,7 @@ def run(
         print(
             f"forget plan {spec}: {type(step.model).__name__} over its module tree, "
             f"{len(planner.tree) - 1} candidate modules; plain step {plain_s * 1e3:.3f} ms, "
-            f"peak {planner.plain_peak:,} B by the allocator ({planner.profile.probe}); "
+            f"peak {planner.plain_peak:,} B by the allocator ({planner.profile.probe}), predicted; "
             f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}"
         )
         for name, policy in planner.policies.items():

@@ -62,8 +62,11 @@ class TreePlan(SavedAsJson):
             process, so it holds what a first use allocates for good (kernel
             and lookup-table caches, a few KiB); later steps read it or less.
         ledger_peak_bytes: the same step's peak by the tensor-storage ledger.
-        plain_peak_bytes: the plain step's peak by the allocator.
-        plain_ledger_peak_bytes: the plain step's peak by the ledger.
+        plain_peak_bytes: the plain step's peak by the allocator, predicted (the
+            planner never runs the plain step: NOTE [planning within the budget]
+            in `forget.planning`); a percentage budget is a share of it.
+        plain_ledger_peak_bytes: the plain step's peak by the ledger, from its
+            run on fake tensors.
         min_feasible_bytes: the least allocator peak of any assignment measured:
             the smallest budget `forget.plan` accepts for this model and input.
         predicted_peak_bytes: the cost model's peak of ``choices``.
@@ -215,7 +218,7 @@ class TreePlan(SavedAsJson):
             "  (held bytes: kept from forward to backward, the module's own ops; a forgotten "
             "module holds its inputs)",
             f"  peak: measured {self.measured_peak_bytes:,} B by the allocator ({self.probe}), "
-            f"{ratio:.2f}x the plain {self.plain_peak_bytes:,} B; ledger "
+            f"{ratio:.2f}x the plain {self.plain_peak_bytes:,} B predicted; ledger "
             f"{self.ledger_peak_bytes:,} B (plain {self.plain_ledger_peak_bytes:,} B); "
             f"predicted {self.predicted_peak_bytes:,} B",
         ]

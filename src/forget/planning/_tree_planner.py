@@ -13,7 +13,8 @@ peak of the real step: on CPU the allocator's own events
 ``torch.cuda.max_memory_allocated``; not by the tensor-storage ledger, which
 does not see kernel workspaces (a BatchNorm conv step reads less on the ledger
 than the allocator hands out). Every assignment tried is applied and its step
-measured once, and the planner remembers them all. First, once: the
+measured once (under the guard: NOTE [planning within the budget]), and the
+planner remembers them all. First, once: the
 frontier's least-memory point and the baseline that forgets every innermost
 candidate (every layer, as transformers' checkpointing does; eight points
 spread over the frontier besides found no lower peak on the four models of
@@ -46,6 +47,23 @@ rounds), in the same order. Timing all of them was half of that model's
 planning time. The chosen one is measured on the ledger too, and the plan reports both
 peaks. A returned plan has ``measured_peak_bytes <= budget_bytes``, by the
 allocator, for the inputs it was planned with.
+
+NOTE [planning within the budget]: the user who needs a plan is the one whose
+plain step does not fit, so planning never runs the plain step and never holds
+more than the budget. The bytes come from a run on fake tensors (NOTE [tree
+figures]): nothing allocated. Times, workspaces and options' figures come from
+each kind of module alone, one at a time, on real inputs captured by a forward
+without grad that stops at that module: one module's inputs and work are live
+at once. A percentage budget is of the predicted plain peak. Every step run on
+real tensors that is not timed runs under the guard (NOTE [guarded steps] in
+`._guard`), with the budget as its limit (`forget.plan` hands its budget to
+the profile too): a step the cost model predicted to fit that does not is
+stopped, a measured miss, and the search goes on below it. The timed steps
+(side by side, `_fastest`) are those measured to fit. Where every step tried
+is stopped, the least feasible budget is not measured: the error names the
+cost model's least peak, or the least bound a stopped step passed where that is
+higher. A guard sees an allocation only once it is made, so a stopped step
+passes the budget by the one allocation that stopped it, then frees it.
 
 NOTE [one region fewer]: the search walks the frontier the cost model
 predicts, so an assignment off that frontier is never measured, however well
@@ -427,11 +445,13 @@ class TreePlanner:
 
         Args:
             budget: bytes, a size string (``"512MiB"``) or a share of the plain
-                step's allocator peak (``"60%"``, ``0.6``).
+                step's predicted allocator peak (``"60%"``, ``0.6``; the plain
+                step never runs: NOTE [planning within the budget]).
 
         Raises:
             BudgetInfeasibleError: below the least peak measured of any
-                assignment tried (``min_feasible_bytes``).
+                assignment tried, or predicted where none fits
+                (``min_feasible_bytes``).
         """
         budget_bytes = P.parse_budget(budget, self.plain_peak)
         self.limit_bytes = budget_bytes

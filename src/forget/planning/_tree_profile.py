@@ -3,8 +3,11 @@
 NOTE [tree figures]: the cost model (NOTE [tree cost model] in
 `forget.schedules`) asks of each candidate ``v`` its own bytes ``a`` (saved by
 its ops, not inside a candidate below it) and its inputs' bytes ``in`` (what a
-region around it holds). One plain forward under the ledger (`forget.memory`)
-gives both: a pre-hook and a hook on every candidate open and close a ledger
+region around it holds). One forward and backward under the ledger
+(`forget.memory`), on fake tensors (torch's ``FakeTensorMode``: every op runs
+on shapes alone and allocates nothing, while the ledger still sees each storage
+it makes, with its bytes; NOTE [planning within the budget] in
+`._tree_planner`), gives both: a pre-hook and a hook on every candidate open and close a ledger
 entry, and note the storages it takes and returns; when the loss is computed,
 every storage made in the step and still alive is held until backward, and is
 charged to one node:
@@ -24,12 +27,22 @@ charged to one node:
 and the step's own inputs are held anyway), less those charged to a candidate
 above ``v``, which hold them whatever ``v`` chooses. What the plain step holds
 beyond the saved bytes (gradients, backward's temporaries, kernel workspaces
-the ledger cannot see) is ``Tree.base_bytes``: the allocator's plain peak
-minus the model's, so the keep-all plan predicts the plain peak exactly.
+the ledger cannot see) is ``Tree.base_bytes``: the predicted plain peak minus
+the model's, so the keep-all plan predicts the plain peak. The plain step never
+runs: its peak is predicted as the fake run's ledger peak plus the most
+workspace any innermost candidate's step alone takes beyond its storages, by
+the allocator (a convolution's, on CPU too). Fake tensors may take another path
+than real ones where a model reads its data (transformers builds Llama's causal
+mask when it cannot check that the attention mask is all ones): such a
+prediction is high, never trusted (NOTE [tree plans measured]); a model whose
+step cannot run on fake tensors at all (an op whose output depends on the
+data) is profiled on real tensors, with a warning: that needs the plain step's
+memory.
 Times: a node's ``forward_s`` is its forward with grad on the inputs it took
-in that step, plus the fixed cost of a region (NOTE [time of a region]),
-medians over ``repeats``, alike modules sharing their medians (NOTE [alike
-stages]). A leaf option's figures (a policy keep, regenerate) are measured
+in that step (its candidates inside forgotten, their fixed costs taken off),
+plus the fixed cost of a region (NOTE [time of a region]), medians over
+``repeats``, measured once per kind of alike modules (NOTE [alike stages]) on
+real inputs captured by a forward without grad stopped at that module. A leaf option's figures (a policy keep, regenerate) are measured
 on the module alone with those inputs: the bytes it saves fewer than keeping,
 and its step's extra time. Options are offered on the innermost candidates
 only (the layers, stems and heads; no candidate below them): an option fixes
