@@ -105,7 +105,7 @@ class _Trials:
 def plan(  # type: ignore[overload-overlap]  # a chain is a Module too; it comes first
     model_or_blocks: nn.Sequential | nn.ModuleList | Sequence[Block] | BlockModel,
     *sample_inputs: Any,
-    budget: int | float | str,
+    budget: int | float | str | None = None,
     loss_fn: LossFn | None = None,
     algorithm: str = "optimal",
     options: Mapping[str, Policy | bool] | None = None,
@@ -119,7 +119,7 @@ def plan(  # type: ignore[overload-overlap]  # a chain is a Module too; it comes
 def plan(
     model_or_blocks: nn.Module,
     *sample_inputs: Any,
-    budget: int | float | str,
+    budget: int | float | str | None = None,
     loss_fn: TreeLossFn | None = None,
     algorithm: str = "optimal",
     options: Mapping[str, Policy | bool] | None = None,
@@ -134,7 +134,7 @@ def plan(
 def plan(
     model_or_blocks: object,
     *sample_inputs: Any,
-    budget: int | float | str,
+    budget: int | float | str | None = None,
     loss_fn: Callable[[Any], Tensor] | None = None,
     algorithm: str = "optimal",
     options: Mapping[str, Policy | bool] | None = None,
@@ -164,7 +164,11 @@ def plan(
         *sample_inputs: the first block's input (reference model: ``x, target``);
             for a module tree, the model's positional inputs.
         budget: bytes (``int``), a string (``"512MiB"``, ``"2GB"``, ``"50%"``),
-            or a fraction in ``(0, 1]`` of the plain step's measured peak.
+            or a fraction in ``(0, 1]`` of the plain step's peak: for a module
+            tree the predicted one (its plain step never runs: NOTE [planning
+            within the budget]), for a chain the measured one. For a module
+            tree on CUDA, ``"free"``: what the device has free now, less a
+            margin (NOTE [free budget]); the default there.
         loss_fn: output -> scalar loss for the step (default: ``output.sum()``;
             for a module tree ``output.loss`` when the output has one).
         algorithm: the planner (``"optimal"``, ``"uniform"``, ``"sqrt"``, ...);
@@ -242,6 +246,11 @@ def plan(
             f"forget: {given} are for a module tree; a chain of blocks "
             f"({type(model_or_blocks).__name__}) takes its first block's input positionally: "
             "forget.plan(blocks, x, budget=...)"
+        )
+    if budget is None:
+        raise TypeError(
+            "forget: plan(blocks, ..., budget=...) needs a budget for a chain of blocks: bytes, "
+            "a size ('512MiB') or a share of the plain step's peak ('60%')"
         )
     planner = Planner(
         model_or_blocks,

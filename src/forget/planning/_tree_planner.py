@@ -111,6 +111,7 @@ from ..errors import BudgetInfeasibleError
 from ..memory import frozen_heap
 from ..policies import Policy
 from ._guard import Peak, guarded_peak
+from ._guard import budget_bytes as resolve_budget
 from ._profile import _check_options
 from ._targets import untouched, zero_grads
 from ._timing import fastest_of, time_calls
@@ -149,7 +150,7 @@ def plan_tree(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    budget: int | float | str,
+    budget: int | float | str | None,
     loss_fn: TreeLossFn | None = None,
     candidates: CandidateSpec | None = None,
     options: Mapping[str, Policy | bool] | None = None,
@@ -440,20 +441,21 @@ class TreePlanner:
     # ------------------------------------------------------------ planning
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    def plan(self, budget: int | float | str) -> TreePlan:
+    def plan(self, budget: int | float | str | None = None) -> TreePlan:
         """Return the fastest measured plan whose allocator peak fits ``budget``.
 
         Args:
             budget: bytes, a size string (``"512MiB"``) or a share of the plain
                 step's predicted allocator peak (``"60%"``, ``0.6``; the plain
-                step never runs: NOTE [planning within the budget]).
+                step never runs: NOTE [planning within the budget]); on CUDA
+                ``"free"``, the default there (NOTE [free budget] in `._guard`).
 
         Raises:
             BudgetInfeasibleError: below the least peak measured of any
                 assignment tried, or predicted where none fits
                 (``min_feasible_bytes``).
         """
-        budget_bytes = P.parse_budget(budget, self.plain_peak)
+        budget_bytes = resolve_budget(budget, self.plain_peak, self.profile.probe)
         self.limit_bytes = budget_bytes
         self.least()
         plain_fits = budget_bytes >= self.plain_peak and self.peak({}) <= budget_bytes

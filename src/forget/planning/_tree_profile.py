@@ -78,7 +78,7 @@ from ..engine import storage_of
 from ..errors import BudgetInfeasibleError, ForgetError
 from ..memory import Ledger, StorageRecord, measure, watch
 from ..policies import Policy
-from ._guard import Overrun, guard
+from ._guard import Overrun, budget_bytes, guard
 from ._profile import _region_overhead_s
 from ._targets import untouched, zero_grads
 from ._timing import _median_s, _step_of, time_calls
@@ -164,7 +164,8 @@ def profile_tree(
         # NOTE [planning within the budget]: the runs on real tensors that are not timed
         # run under the guard; a share of the plain peak is taken of the fake run's
         # ledger peak here, no more than of the predicted plain peak it plans with.
-        limit = None if budget is None else P.parse_budget(budget, max(1, ledger_peak))
+        known = budget is not None or probe == "cuda"  # None: "free" on CUDA
+        limit = budget_bytes(budget, max(1, ledger_peak), probe) if known else None
         try:
             with guard(limit, probe), traced(model) as real, torch.no_grad():
                 step.model(*step.args, **step.kwargs)
