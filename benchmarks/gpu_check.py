@@ -14,9 +14,15 @@ runs, from the checkout's source (``PYTHONPATH=src``, nothing installed):
    ``reset_peak_memory_stats``), the median step time over interleaved rounds
    (`forget.planning.time_calls`) read from CUDA events around each step, and
    whether the gradients equal plain's bit for bit;
-3. one summary table. Exit status 0 when the tests pass and no variant's
-   gradients differ from a repeatable plain step, 1 otherwise, 2 without a CUDA
-   device or on bad arguments.
+3. planning a step that does not fit (`plan_within_fraction`): a module
+   tree whose plain step peaks at P, under a process memory fraction that
+   leaves it 60 % of P (``torch.cuda.set_per_process_memory_fraction``): the
+   plain step must fail with ``OutOfMemoryError``, ``forget.plan`` with that
+   budget must plan within it (``max_memory_allocated`` around the whole call)
+   and the planned step must train within it;
+4. one summary table. Exit status 0 when the tests pass, no variant's
+   gradients differ from a repeatable plain step and the plan stayed within
+   its budget, 1 otherwise, 2 without a CUDA device or on bad arguments.
 
 ``nondet`` in the grads column: plain's own gradients differ between two
 steps (atomics in a CUDA backward kernel), so bitwise equality cannot be
@@ -87,10 +93,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += bench_model(name, args.size, args.repeats, device, args.batch_scale)
     print("gpu-check: launch-bound chain ...", flush=True)
     rows += bench_launch(args.size, args.repeats, device)
+    print("gpu-check: planning a step that does not fit ...", flush=True)
+    fitted = (
+        plan_within_fraction(device)
+        if device.type == "cuda"
+        else plan_within_fraction(device, width=64, depth=6, rows=256)
+    )
     print()
     print(summary(rows, tests, args, device, time.perf_counter() - started))
+    print(fitted.line())
     failed = (tests is not None and tests[0] != 0) or any(r.grads == "differ" for r in rows)
-    return 1 if failed else 0
+    return 1 if failed or not fitted.ok else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -296,6 +309,138 @@ def _grad_checks(
         same = not _bench._same(plain, grads[v]())
         checks[v] = "=plain" if same else "differ" if repeatable else "nondet"
     return checks
+
+
+# ------------------------------------------------- a step that does not fit
+
+
+class _Tree(torch.nn.Module):
+    """A module tree (no chain): a stem, residual MLP blocks and a head."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(width),
+                torch.nn.Linear(width, 4 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * width, width),
+            )
+            for _ in range(depth)
+        )
+        self.head = torch.nn.Linear(width, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@dataclass
+class Fitted:
+    """How `plan_within_fraction` went: bytes of each call, against the budget."""
+
+    device: str
+    plain_peak_bytes: int
+    budget_bytes: int
+    plain_failed: bool | None  # the plain step under the fraction (None: not tried, CPU)
+    planning_peak_bytes: int
+    step_peak_bytes: int
+    regions: int
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        within = self.planning_peak_bytes <= self.budget_bytes * 1.05
+        return not self.error and within and self.step_peak_bytes <= self.budget_bytes
+
+    def line(self) -> str:
+        if self.error:
+            return f"plan within a memory fraction ({self.device}): FAILED: {self.error}"
+        plain = {None: "not tried", True: "out of memory", False: "FITS (the check is void)"}
+        return (
+            f"plan within a memory fraction ({self.device}): plain step peak "
+            f"{self.plain_peak_bytes:,} B, budget {self.budget_bytes:,} B (60 %); plain step "
+            f"under it: {plain[self.plain_failed]}; planning peak {self.planning_peak_bytes:,} B "
+            f"({self.planning_peak_bytes / self.budget_bytes:.3f} of the budget); planned step "
+            f"peak {self.step_peak_bytes:,} B ({self.step_peak_bytes / self.budget_bytes:.3f}), "
+            f"{self.regions} regions: {'ok' if self.ok else 'FAILED'}"
+        )
+
+
+def plan_within_fraction(
+    device: torch.device, width: int = 1024, depth: int = 8, rows: int = 4096, share: float = 0.6
+) -> Fitted:
+    """Plan a step under a memory bound that its plain step passes (issue 30's GPU case).
+
+    CUDA: the process's memory fraction is set so that what is allocated now
+    plus ``share`` of the plain peak is all the caching allocator may hold; the
+    plain step must fail under it, ``forget.plan`` must not, and its planned
+    step trains within it. CPU (the tests): no fraction; the peaks are the
+    ledger's.
+    """
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = _Tree(width, depth).to(device)
+    x = torch.randn(rows, width, device=device)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    model.zero_grad(set_to_none=True)
+    plain = peak_bytes(step, device) if cuda else forget.measure(step, probe="profiler").peak_bytes
+    model.zero_grad(set_to_none=True)
+    budget = int(share * plain)
+    plain_failed: bool | None = None
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = float(getter(device)) if cuda and getter is not None else 1.0
+    try:
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(device).total_memory
+            fraction = (torch.cuda.memory_allocated(device) + budget) / total
+            torch.cuda.set_per_process_memory_fraction(fraction, device)
+            try:
+                step()
+                plain_failed = False
+            except torch.cuda.OutOfMemoryError:
+                plain_failed = True
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        planned: list[Any] = []
+
+        def planning() -> None:
+            planned.append(
+                forget.plan(model, x, budget=budget, loss_fn=lambda y: y.square().mean())
+            )
+
+        planning_peak = peak_bytes(planning, device)
+        if not cuda:
+            # The CPU's peak_bytes is the ledger, a dispatch mode, under which regions take
+            # the exact path only; the plan stepped here is made as a user makes it.
+            planned.clear()
+            planning()
+        plan = planned[0]
+        plan.apply(model)
+        model.zero_grad(set_to_none=True)
+        # The budget is the allocator's: on the CPU its own events, as the planner reads.
+        step_peak = (
+            peak_bytes(step, device) if cuda else forget.measure(step, probe="profiler").peak_bytes
+        )
+        plan.remove(model)
+        return Fitted(
+            str(device), plain, budget, plain_failed, planning_peak, step_peak, len(plan.choices)
+        )
+    except Exception as exc:  # report it in the summary, as a failure
+        return Fitted(
+            str(device), plain, budget, plain_failed, 0, 0, 0, f"{type(exc).__name__}: {exc}"
+        )
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(before, device)
 
 
 # ---------------------------------------------------------------- the table

@@ -130,12 +130,24 @@ def test_launch_rows_on_cpu(gpu_check):
     assert all(isinstance(r.extra_us_per_op, float) for r in rows[1:])
 
 
+@pytest.mark.usefixtures("fixed_clock")  # bytes matter here, not times
+def test_plan_within_fraction_on_cpu_plans_within_the_budget(gpu_check):
+    fitted = gpu_check.plan_within_fraction(CPU, width=64, depth=6, rows=256)
+    assert fitted.error == "" and fitted.plain_failed is None  # no fraction on the CPU
+    assert fitted.budget_bytes == int(0.6 * fitted.plain_peak_bytes)
+    assert fitted.step_peak_bytes <= fitted.budget_bytes and fitted.regions > 0
+    assert fitted.planning_peak_bytes <= fitted.budget_bytes * 1.05
+    assert fitted.ok and fitted.line().endswith(": ok")
+
+
+@pytest.mark.usefixtures("fixed_clock")
 def test_a_gradient_that_differs_from_a_repeatable_plain_fails(gpu_check, monkeypatch, capsys):
     monkeypatch.setitem(_bench_launch.RUNNERS, "forget", lambda ops, x: 2 * x)
     argv = ["--device", "cpu", "--size", "tiny", "--repeats", "1", "--skip-tests"]
     assert gpu_check.main([*argv, "--models", "residual_mlp"]) == 1
     out = capsys.readouterr().out
-    assert out.splitlines()[-2].split()[-1] == "differ"
+    assert out.splitlines()[-3].split()[-1] == "differ"
+    assert out.splitlines()[-1].startswith("plan within a memory fraction (cpu): plain step")
 
 
 def test_nondeterministic_plain_is_not_a_failure(gpu_check):
