@@ -21,7 +21,7 @@ the held bytes of the latest region with none inside, or of the next few as
 the last step ran them (learned per candidate, scaled by the input's elements),
 plus the largest storage once more (made, not yet saved). At the forward's end
 it is backward's peak, modelled region by region in backward's order: backward
-holds, at a region with none inside, what the regions up to it hold (an evicted
+holds, at a region with none inside, what the regions up to it hold and keep (an evicted
 one counted while backward is inside it: rebuilt, with every evicted region
 around it), two gradients of its largest tensor, and throughout what no region
 holds, every gradient of the parameters that had none, and the model's output
@@ -175,6 +175,8 @@ class Step:
         # storage key -> [bytes, holders]; the count of ``now`` on CPU.
         self._live: dict[StorageKey, list[int]] = {}
         self._outside: dict[StorageKey, int] = {}
+        # storage key -> the regions holding or keeping it (NOTE [the cap's count]).
+        self._holders: dict[StorageKey, list[_Entry]] = {}
         self.now_bytes = 0
         self.model_output_bytes = 0
         self.largest_bytes = 0
@@ -216,6 +218,7 @@ class Step:
         record[1] -= 1
         if record[1] == 0:
             del self._live[key]
+            self._holders.pop(key, None)
             self.now_bytes -= record[0]
 
     def saved_outside(self, t: torch.Tensor) -> None:
@@ -242,19 +245,18 @@ class Step:
         """Count a region that returned (``region`` None: it raised), then keep to the cap."""
         self.running.pop()
         if region is None:
-            self.entries.remove(entry)
-            if entry.parent is not None:
-                entry.parent.children.remove(entry)
-            return
+            return  # it holds nothing; it stays, never done, so indices stay positions
         entry.ref = weakref.ref(region)
         entry.end = self.boundaries + 1  # the boundary `settle` counts below
         entry.cost_s = cost_s
         entry.done = True
         for key, nbytes in region.held_bytes.items():
             self._add(key, nbytes)
+            self._holders.setdefault(key, []).append(entry)
             entry.keys.append(key)
         for key, nbytes in region.kept_bytes.items():
             self._add(key, nbytes)  # inputs: they stay while the region lives
+            self._holders.setdefault(key, []).append(entry)
         entry.size = sum(region.held_bytes.values())
         entry.leaf = not entry.children
         entry.last = len(self.entries) - 1
@@ -286,16 +288,20 @@ class Step:
         region holds, all the gradients and the model's output once more.
         """
         entries = self.entries
-        held = sum(e.size for e in entries if e.done and not _dropped(e))
-        fixed = max(0, now - held) + self.gradient_bytes + self.model_output_bytes
+        # Each storage is freed once backward is through the first region (in the
+        # forward's order) that holds or keeps it.
+        owned = [0] * len(entries)
+        for key, holders in self._holders.items():
+            if holders and (record := self._live.get(key)) is not None:
+                owned[min(e.index for e in holders)] += record[0]
+        fixed = max(0, now - sum(owned)) + self.gradient_bytes + self.model_output_bytes
         fixed += self.extra_bytes
         peak, where, running = fixed, -1, 0
         for i, entry in enumerate(entries):
+            running += owned[i]
             if not entry.done:
                 continue
             dropped = _dropped(entry)
-            if not dropped:
-                running += entry.size
             if not entry.leaf:
                 continue
             rebuilt = entry.size if dropped else 0
@@ -384,6 +390,9 @@ class Step:
         region.drop()
         for key in entry.keys:
             self._remove(key)
+            holders = self._holders.get(key)
+            if holders is not None and entry in holders:
+                holders.remove(entry)
         self.evicted.append(entry.name)
 
     def _put_back_buffers(self) -> None:
