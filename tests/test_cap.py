@@ -195,3 +195,36 @@ def test_candidates_choose_the_regions() -> None:
     _step(net, _x(16))
     assert handle.last_step is not None
     assert handle.last_step.regions == ("body.0", "body.1", "body.2", "body.3")
+
+
+def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
+    tf = pytest.importorskip("transformers")
+    from forget.integrations import transformers as forget_hf
+
+    config = tf.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = tf.GPT2LMHeadModel(config).train()
+    model = copy.deepcopy(plain)
+    big = torch.zeros(2, 48, dtype=torch.long)
+    peak = forget.measure(lambda: plain(input_ids=big, labels=big).loss.backward()).peak_bytes
+    forget_hf.enable(model, cap=int(0.8 * peak))
+    model.activation_checkpointing_enable({"use_reentrant": False})  # as Trainer does
+    handle = forget_hf.cap_of(model)
+    assert handle is not None and forget_hf.is_enabled(model)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    for tokens in (16, 48, 32):  # shapes vary; nothing planned
+        ids = torch.randint(0, 64, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+        for net in (plain, model):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            net(input_ids=ids, labels=ids).loss.backward()
+        assert _equal(_state(plain)[0], _state(model)[0])  # dropout replayed
+    assert any(report.evicted for report in handle.steps)
+    with pytest.raises(TypeError, match="do not go with cap="):
+        forget_hf.enable(model, cap="1MB", budget="1MB")
+    forget_hf.disable(model)
+    assert forget_hf.cap_of(model) is None
+    assert not any("forward" in m.__dict__ for m in model.modules())

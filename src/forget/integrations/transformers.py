@@ -39,6 +39,13 @@ it). `enable` without a budget removes the plan and checkpoints layers; with
 another budget it plans the plain model again; `disable` removes the plan. A
 plan needs no checkpointing support from transformers (its ResNet has none).
 
+NOTE [cap in force]: with ``cap=``, `enable` puts a `forget.cap` on the model
+(regions evicted at run time to keep each step under the cap, whatever its
+shapes; no planning run) and is otherwise as with a plan: transformers' own
+checkpointing is off and stays off, and the door keeps the cap through
+``Trainer(gradient_checkpointing=True)`` and raises for what it would lose.
+`enable` without ``cap`` or ``budget`` removes it; `disable` removes it.
+
 NOTE [settings kept]: `enable` on a model whose layers transformers already
 checkpoints keeps the layers it chose (``every_n_layers``, or any flags set by
 hand) and the keyword arguments bound to its function; ``every_n_layers=...``
@@ -91,8 +98,10 @@ from ..policies import Policy, as_policy
 
 if TYPE_CHECKING:
     from ..planning import TreePlan
+    from ..runtime import Cap
 
 __all__ = [
+    "cap_of",
     "checkpoint_function",
     "checkpointed_layers",
     "disable",
@@ -119,6 +128,7 @@ def enable(
     loss_fn: Callable[[Any], Any] | None = None,
     candidates: str | type | Iterable[str | type] | None = None,
     options: Mapping[str, Policy | bool] | None = None,
+    cap: int | float | str | None = None,
 ) -> Any:
     """Turn on gradient checkpointing in ``model``, run by forget; with ``budget``, a fitted plan.
 
@@ -153,6 +163,9 @@ def enable(
         candidates: which submodules may be regions, as `forget.plan` takes them.
         options: name -> policy, partial keeps a region may take instead of
             forgetting everything, as `forget.plan` takes them.
+        cap: instead of a plan, a runtime cap (`forget.cap`): every step, of any
+            shape, kept under it by evicting regions as it runs, with no planning
+            run (NOTE [cap in force]). What `forget.cap` takes; ``candidates`` too.
 
     Returns:
         ``model`` itself, changed in place. As with transformers' own
@@ -173,6 +186,10 @@ def enable(
     """
     n = every_n_layers
     planning = {"inputs": inputs, "loss_fn": loss_fn, "candidates": candidates, "options": options}
+    if cap is not None:
+        layer_options = {"policy": policy, "preserve_rng_state": preserve_rng_state}
+        others = {"budget": budget, "inputs": inputs, "loss_fn": loss_fn, "options": options}
+        return _enable_cap(model, cap, candidates, {**layer_options, **others, "every_n_layers": n})
     if budget is not None:
         layer_options = {"policy": policy, "preserve_rng_state": preserve_rng_state}
         return _enable_plan(model, budget, planning, {**layer_options, "every_n_layers": n})
@@ -229,11 +246,12 @@ def disable(model: Any) -> Any:
 
 
 def is_enabled(model: Any) -> bool:
-    """Whether a plan of forget's is in force on ``model``, or forget runs every checkpointed layer.
+    """Whether a plan or a cap of forget's is in force on ``model``, or forget runs every
+    checkpointed layer.
 
     Layers: some layer is checkpointed, and every checkpointed one by forget.
     """
-    if plan_of(model) is not None:
+    if plan_of(model) is not None or cap_of(model) is not None:
         return True
     flagged = [m for m in _checkpointing_modules(model) if m.gradient_checkpointing]
     return bool(flagged) and all(getattr(getattr(m, _ATTR, None), _MARK, False) for m in flagged)
@@ -249,6 +267,17 @@ def plan_of(model: Any) -> TreePlan | None:
     base = get_base_model() if callable(get_base_model) else model
     door = _door(base) if hasattr(base, "__dict__") else None
     return None if door is None else door.plan
+
+
+def cap_of(model: Any) -> Cap | None:
+    """The `forget.runtime.Cap` that ``enable(model, cap=...)`` put in force, or ``None``.
+
+    ``cap_of(model).last_step`` says which regions the latest step evicted.
+    """
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    door = _door(base) if hasattr(base, "__dict__") else None
+    return None if door is None else door.cap
 
 
 def checkpointed_layers(model: Any) -> list[str]:
@@ -294,6 +323,7 @@ def _enable_plan(
     if door is None:
         door = _ForgetDoor(base, _found_options(base))
     before, found = door.plan, _checkpointing_state(base)
+    capped = door.cap
     door.remove_plan()
     for module, _ in found:
         if module.gradient_checkpointing:
@@ -306,8 +336,45 @@ def _enable_plan(
         if before is not None:
             before.apply(base)
             door.plan = before
+        elif capped is not None:
+            door.cap = type(capped)(base, list(capped.names), capped.budget_bytes)
         raise
     door.plan = fitted
+    door.install()
+    return model
+
+
+def _enable_cap(
+    model: Any, budget: int | float | str, candidates: Any, others: dict[str, Any]
+) -> Any:
+    """`enable` with ``cap``: transformers' checkpointing off, a cap in (NOTE [cap in force])."""
+    from ..runtime import cap
+
+    if given := [name for name, value in others.items() if value is not None]:
+        raise TypeError(
+            f"forget: {given} do not go with cap=: a cap checkpoints no layers and plans "
+            "nothing; it decides at run time which regions to re-run (NOTE [cap in force]). "
+            "Leave them out, or use budget= and inputs= for a plan instead."
+        )
+    base = _base_model(model, layers=False)
+    door = _door(base)
+    if door is None:
+        door = _ForgetDoor(base, _found_options(base))
+    before, found = (door.plan, door.cap), _checkpointing_state(base)
+    door.remove_plan()
+    for module, _ in found:
+        if module.gradient_checkpointing:
+            module.gradient_checkpointing = False
+    try:
+        door.cap = cap(base, budget, candidates=candidates)
+    except BaseException:
+        _put_back(found)
+        if before[0] is not None:
+            before[0].apply(base)
+            door.plan = before[0]
+        elif before[1] is not None:
+            door.cap = type(before[1])(base, list(before[1].names), before[1].budget_bytes)
+        raise
     door.install()
     return model
 
@@ -324,6 +391,7 @@ class _ForgetDoor:
         self.model = model
         self.options = options
         self.plan: TreePlan | None = None
+        self.cap: Cap | None = None
         self.name = "activation_checkpointing_enable"
         if not hasattr(model, self.name):  # transformers 4.x
             self.name = "gradient_checkpointing_enable"
@@ -352,15 +420,22 @@ class _ForgetDoor:
                 f"model.{self.name}(offload=True)."
             )
         given = activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {}
-        if self.plan is not None:
+        if self.plan is not None or self.cap is not None:
             self.keep_plan(given, every_n_layers)
             return
         self.options = {**self.options, **given}
         self.switch_on(every_n_layers=every_n_layers)
 
     def keep_plan(self, given: Mapping[str, Any], every_n_layers: int) -> None:
-        """A call of the door under a plan: nothing switched on, what cannot hold raises."""
-        assert self.plan is not None
+        """A call of the door under a plan or a cap: nothing switched on, what cannot
+        hold raises."""
+        if self.plan is not None:
+            chooser = (
+                f"a plan fitted to {self.plan.budget_bytes:,} B chooses (enable(model, budget=...))"
+            )
+        else:
+            assert self.cap is not None
+            chooser = f"a cap of {self.cap.budget_bytes:,} B chooses (enable(model, cap=...))"
         # Taken: use_reentrant (the engine is never reentrant), and what the regions do.
         taken = {("preserve_rng_state", True)}
         asked = [
@@ -369,16 +444,15 @@ class _ForgetDoor:
         if every_n_layers != 1 or asked:
             asked = [f"every_n_layers={every_n_layers}"] * (every_n_layers != 1) + asked
             raise ValueError(
-                f"forget: {self.name}({', '.join(asked)}) on a model whose regions a plan "
-                f"fitted to {self.plan.budget_bytes:,} B chooses (enable(model, budget=...)); "
-                "the plan stays in force and checkpoints no layer on top of it (NOTE [plan "
+                f"forget: {self.name}({', '.join(asked)}) on a model whose regions {chooser}; "
+                "it stays in force and checkpoints no layer on top of it (NOTE [plan "
                 "in force]), so this would be lost. Leave it out (of TrainingArguments' "
                 "activation_checkpointing_kwargs too), or checkpoint layers instead: "
                 "forget.integrations.transformers.enable(model) without budget."
             )
         if given.get("use_reentrant"):
             warnings.warn(
-                "forget: use_reentrant=True is ignored; the regions of forget's plan run "
+                "forget: use_reentrant=True is ignored; the regions of forget's plan or cap run "
                 "forget's own non-reentrant engine. Pass use_reentrant=False to silence "
                 "this warning.",
                 UserWarning,
@@ -395,9 +469,13 @@ class _ForgetDoor:
             setattr(self.model, self.name, self.previous)
 
     def remove_plan(self) -> None:
+        """Remove the plan or the cap in force, if any."""
         if self.plan is not None:
             self.plan.remove(self.model)
             self.plan = None
+        if self.cap is not None:
+            self.cap.remove()
+            self.cap = None
 
     def put_back_found(self) -> None:
         """transformers' checkpointing as the door found it (NOTE [settings kept])."""
