@@ -78,12 +78,17 @@ def cap(
     Example:
         >>> import torch, forget
         >>> from torch import nn
-        >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
-        >>> handle = forget.cap(net, 400_000)
-        >>> net(torch.randn(256, 64)).sum().backward()
-        >>> handle.last_step.evicted
-        ('0', '1')
+        >>> def block():
+        ...     return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+        >>> net = nn.Sequential(*[block() for _ in range(6)])
+        >>> handle = forget.cap(net, "3MB")
+        >>> for rows in (64, 256, 128):  # shapes vary; nothing planned
+        ...     step = lambda: net(torch.randn(rows, 64)).sum().backward()
+        ...     assert forget.measure(step).peak_bytes <= handle.budget_bytes
+        >>> "5" in handle.last_step.evicted  # backward meets the last block first
+        False
         >>> handle.remove()
+        Sequential(...)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(

@@ -23,7 +23,8 @@ plus the largest storage once more (made, not yet saved). At the forward's end
 it is backward's peak, modelled region by region in backward's order: backward
 holds, at a region with none inside, what the regions up to it hold and keep (an evicted
 one counted while backward is inside it: rebuilt, with every evicted region
-around it), two gradients of its largest tensor, and throughout what no region
+around it), the gradients of its output and of its largest tensor, and
+throughout what no region
 holds, every gradient of the parameters that had none, and the model's output
 once more (a loss outside the model saves about that much). The model is
 conservative (the tests and benchmarks/measured.md give the measured peaks
@@ -284,7 +285,8 @@ class Step:
         NOTE [the cap's count]: backward meets the regions in reverse order and
         frees what each held once through it; at a region with none inside it holds
         what the regions up to it hold (the evicted ones around it rebuilt), its own
-        working memory (two gradients of its largest tensor), and throughout what no
+        working memory (the gradient of its output and of its largest tensor), and
+        throughout what no
         region holds, all the gradients and the model's output once more.
         """
         entries = self.entries
@@ -310,7 +312,7 @@ class Step:
                 if outer.done and _dropped(outer):
                     rebuilt += outer.size
                 outer = outer.parent
-            term = fixed + running + rebuilt + 2 * max(entry.largest, entry.out)
+            term = fixed + running + rebuilt + entry.largest + entry.out
             if term > peak:
                 peak, where = term, i
         return peak, where
@@ -374,11 +376,11 @@ class Step:
             freed = sum(self._live[k][0] for k in entry.keys if self._live.get(k, (0, 0))[1] == 1)
             # At the forward's end, evicting it must lower backward's peak: only what
             # backward meets before its span holds less (its span holds it rebuilt).
-            if last and self._peak_at <= entry.last:
+            if freed == 0 or (last and self._peak_at <= entry.last):
                 continue
             staleness = self.boundaries - entry.end + 1
             # DTR's h = cost / (bytes * staleness), smallest first (NOTE [eviction order]).
-            score = (freed + 1) * staleness / max(entry.cost_s, 1e-9)
+            score = freed * staleness / max(entry.cost_s, 1e-9)
             if best is None or score > best_score:
                 best, best_score = entry, score
         return best
