@@ -139,7 +139,7 @@ def run_times(name: str, rounds: int) -> None:
     capped = copy.deepcopy(model)
     forget.cap(capped, budget)
     layers: Any = copy.deepcopy(model)
-    layers.gradient_checkpointing_enable({"use_reentrant": False})
+    layers.activation_checkpointing_enable({"use_reentrant": False})
     calls = {
         "plain": step_of(model, inputs),
         "cap never reached": step_of(never, inputs),

@@ -39,13 +39,6 @@ it). `enable` without a budget removes the plan and checkpoints layers; with
 another budget it plans the plain model again; `disable` removes the plan. A
 plan needs no checkpointing support from transformers (its ResNet has none).
 
-NOTE [cap in force]: with ``cap=``, `enable` puts a `forget.cap` on the model
-(regions evicted at run time to keep each step under the cap, whatever its
-shapes; no planning run) and is otherwise as with a plan: transformers' own
-checkpointing is off and stays off, and the door keeps the cap through
-``Trainer(gradient_checkpointing=True)`` and raises for what it would lose.
-`enable` without ``cap`` or ``budget`` removes it; `disable` removes it.
-
 NOTE [settings kept]: `enable` on a model whose layers transformers already
 checkpoints keeps the layers it chose (``every_n_layers``, or any flags set by
 hand) and the keyword arguments bound to its function; ``every_n_layers=...``
@@ -95,10 +88,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import checkpoint
 from ..policies import Policy, as_policy
+from ._transformers_cap import enable_cap
 
 if TYPE_CHECKING:
     from ..planning import TreePlan
-    from ..runtime import Cap
 
 __all__ = [
     "cap_of",
@@ -163,9 +156,8 @@ def enable(
         candidates: which submodules may be regions, as `forget.plan` takes them.
         options: name -> policy, partial keeps a region may take instead of
             forgetting everything, as `forget.plan` takes them.
-        cap: instead of a plan, a runtime cap (`forget.cap`): every step, of any
-            shape, kept under it by evicting regions as it runs, with no planning
-            run (NOTE [cap in force]). What `forget.cap` takes; ``candidates`` too.
+        cap: instead of a plan, a runtime cap, what `forget.cap` takes (NOTE [cap in
+            force]): every step, of any shape, under it; no planning run.
 
     Returns:
         ``model`` itself, changed in place. As with transformers' own
@@ -187,9 +179,12 @@ def enable(
     n = every_n_layers
     planning = {"inputs": inputs, "loss_fn": loss_fn, "candidates": candidates, "options": options}
     if cap is not None:
-        layer_options = {"policy": policy, "preserve_rng_state": preserve_rng_state}
-        others = {"budget": budget, "inputs": inputs, "loss_fn": loss_fn, "options": options}
-        return _enable_cap(model, cap, candidates, {**layer_options, **others, "every_n_layers": n})
+        others = {**planning, "candidates": None, "budget": budget, "policy": policy}
+        others |= {"preserve_rng_state": preserve_rng_state, "every_n_layers": n}
+        capped = _base_model(model, layers=False)
+        at = _door(capped) or _ForgetDoor(capped, _found_options(capped))
+        enable_cap(at, _checkpointing_state(capped), _put_back, cap, candidates, others)
+        return model
     if budget is not None:
         layer_options = {"policy": policy, "preserve_rng_state": preserve_rng_state}
         return _enable_plan(model, budget, planning, {**layer_options, "every_n_layers": n})
@@ -246,8 +241,7 @@ def disable(model: Any) -> Any:
 
 
 def is_enabled(model: Any) -> bool:
-    """Whether a plan or a cap of forget's is in force on ``model``, or forget runs every
-    checkpointed layer.
+    """Whether a plan or cap is in force on ``model``, or forget runs each checkpointed layer.
 
     Layers: some layer is checkpointed, and every checkpointed one by forget.
     """
@@ -263,21 +257,17 @@ def plan_of(model: Any) -> TreePlan | None:
     ``print(plan_of(model))`` shows the regions as a tree with their bytes; the
     plan's ``measured_peak_bytes`` is the planned step's peak by the allocator.
     """
-    get_base_model = getattr(model, "get_base_model", None)
-    base = get_base_model() if callable(get_base_model) else model
-    door = _door(base) if hasattr(base, "__dict__") else None
-    return None if door is None else door.plan
+    return getattr(_door_of(model), "plan", None)
 
 
-def cap_of(model: Any) -> Cap | None:
-    """The `forget.runtime.Cap` that ``enable(model, cap=...)`` put in force, or ``None``.
+def cap_of(model: Any) -> Any:
+    """The `forget.runtime.Cap` that ``enable(model, cap=...)`` put in force, or ``None``."""
+    return getattr(_door_of(model), "cap", None)
 
-    ``cap_of(model).last_step`` says which regions the latest step evicted.
-    """
-    get_base_model = getattr(model, "get_base_model", None)
-    base = get_base_model() if callable(get_base_model) else model
-    door = _door(base) if hasattr(base, "__dict__") else None
-    return None if door is None else door.cap
+
+def _door_of(model: Any) -> _ForgetDoor | None:  # of a PEFT model's base model too
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return _door(base) if hasattr(base, "__dict__") else None
 
 
 def checkpointed_layers(model: Any) -> list[str]:
@@ -322,8 +312,7 @@ def _enable_plan(
     door = _door(base)
     if door is None:
         door = _ForgetDoor(base, _found_options(base))
-    before, found = door.plan, _checkpointing_state(base)
-    capped = door.cap
+    before, capped, found = door.plan, door.cap, _checkpointing_state(base)
     door.remove_plan()
     for module, _ in found:
         if module.gradient_checkpointing:
@@ -344,41 +333,6 @@ def _enable_plan(
     return model
 
 
-def _enable_cap(
-    model: Any, budget: int | float | str, candidates: Any, others: dict[str, Any]
-) -> Any:
-    """`enable` with ``cap``: transformers' checkpointing off, a cap in (NOTE [cap in force])."""
-    from ..runtime import cap
-
-    if given := [name for name, value in others.items() if value is not None]:
-        raise TypeError(
-            f"forget: {given} do not go with cap=: a cap checkpoints no layers and plans "
-            "nothing; it decides at run time which regions to re-run (NOTE [cap in force]). "
-            "Leave them out, or use budget= and inputs= for a plan instead."
-        )
-    base = _base_model(model, layers=False)
-    door = _door(base)
-    if door is None:
-        door = _ForgetDoor(base, _found_options(base))
-    before, found = (door.plan, door.cap), _checkpointing_state(base)
-    door.remove_plan()
-    for module, _ in found:
-        if module.gradient_checkpointing:
-            module.gradient_checkpointing = False
-    try:
-        door.cap = cap(base, budget, candidates=candidates)
-    except BaseException:
-        _put_back(found)
-        if before[0] is not None:
-            before[0].apply(base)
-            door.plan = before[0]
-        elif before[1] is not None:
-            door.cap = type(before[1])(base, list(before[1].names), before[1].budget_bytes)
-        raise
-    door.install()
-    return model
-
-
 class _ForgetDoor:
     """What ``model.activation_checkpointing_enable`` is while forget is enabled (NOTE [one door]).
 
@@ -391,7 +345,7 @@ class _ForgetDoor:
         self.model = model
         self.options = options
         self.plan: TreePlan | None = None
-        self.cap: Cap | None = None
+        self.cap: Any = None  # a forget.runtime.Cap (NOTE [cap in force])
         self.name = "activation_checkpointing_enable"
         if not hasattr(model, self.name):  # transformers 4.x
             self.name = "gradient_checkpointing_enable"
@@ -427,15 +381,9 @@ class _ForgetDoor:
         self.switch_on(every_n_layers=every_n_layers)
 
     def keep_plan(self, given: Mapping[str, Any], every_n_layers: int) -> None:
-        """A call of the door under a plan or a cap: nothing switched on, what cannot
-        hold raises."""
-        if self.plan is not None:
-            chooser = (
-                f"a plan fitted to {self.plan.budget_bytes:,} B chooses (enable(model, budget=...))"
-            )
-        else:
-            assert self.cap is not None
-            chooser = f"a cap of {self.cap.budget_bytes:,} B chooses (enable(model, cap=...))"
+        """The door called under a plan or a cap: nothing switched on; what cannot hold raises."""
+        fixed, how = (self.plan, "a plan fitted to") if self.plan else (self.cap, "a cap of")
+        chooser = f"{how} {fixed.budget_bytes:,} B chooses (enable(model, budget= or cap=))"
         # Taken: use_reentrant (the engine is never reentrant), and what the regions do.
         taken = {("preserve_rng_state", True)}
         asked = [
@@ -469,7 +417,6 @@ class _ForgetDoor:
             setattr(self.model, self.name, self.previous)
 
     def remove_plan(self) -> None:
-        """Remove the plan or the cap in force, if any."""
         if self.plan is not None:
             self.plan.remove(self.model)
             self.plan = None
