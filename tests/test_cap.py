@@ -107,6 +107,24 @@ def test_every_step_within_the_cap_by_the_ledger(share: float) -> None:
     assert any(report.evicted for report in handle.steps)
 
 
+def test_a_large_last_region_is_within_the_cap_by_the_ledger() -> None:
+    # Backward starts in the head, at its peak, re-running it if it was evicted: its
+    # working memory (two gradients of its 1024-wide activation) must be in the estimate.
+    def make() -> Net:
+        torch.manual_seed(0)
+        net = Net(depth=6)
+        net.head = nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 4))
+        return net.train()
+
+    plain, net = make(), make()
+    budget = int(0.8 * forget.measure(_step, make(), _x(64)).peak_bytes)
+    handle = forget.cap(net, budget)
+    assert forget.measure(_step, net, _x(64)).peak_bytes <= budget
+    _step(plain, _x(64))
+    assert handle.last_step is not None and handle.last_step.evicted
+    assert _equal(_state(plain)[0], _state(net)[0])
+
+
 def test_a_cap_that_cannot_hold_raises_and_leaves_the_model_as_it_was() -> None:
     plain, net = _net(), _net()
     before = copy.deepcopy(net.state_dict())

@@ -81,7 +81,7 @@ def cap(
         >>> def block():
         ...     return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
         >>> net = nn.Sequential(*[block() for _ in range(6)])
-        >>> handle = forget.cap(net, "3MB")
+        >>> handle = forget.cap(net, "5MB")
         >>> for rows in (64, 256, 128):  # shapes vary; nothing planned
         ...     step = lambda: net(torch.randn(rows, 64)).sum().backward()
         ...     assert forget.measure(step).peak_bytes <= handle.budget_bytes

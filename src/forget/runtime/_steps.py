@@ -23,8 +23,8 @@ plus the largest storage once more (made, not yet saved). At the forward's end
 it is backward's peak, modelled region by region in backward's order: backward
 holds, at a region with none inside, what the regions up to it hold and keep (an evicted
 one counted while backward is inside it: rebuilt, with every evicted region
-around it), the gradients of its output and of its largest tensor, and
-throughout what no region
+around it), two gradients of its largest tensor or output (of an op's output
+and input at once), and throughout what no region
 holds, every gradient of the parameters that had none, and the model's output
 once more (a loss outside the model saves about that much). The model is
 conservative (the tests and benchmarks/measured.md give the measured peaks
@@ -285,8 +285,8 @@ class Step:
         NOTE [the cap's count]: backward meets the regions in reverse order and
         frees what each held once through it; at a region with none inside it holds
         what the regions up to it hold (the evicted ones around it rebuilt), its own
-        working memory (the gradient of its output and of its largest tensor), and
-        throughout what no
+        working memory (two gradients of its largest tensor or output, of an op's
+        output and input at once), and throughout what no
         region holds, all the gradients and the model's output once more.
         """
         entries = self.entries
@@ -312,7 +312,7 @@ class Step:
                 if outer.done and _dropped(outer):
                     rebuilt += outer.size
                 outer = outer.parent
-            term = fixed + running + rebuilt + entry.largest + entry.out
+            term = fixed + running + rebuilt + 2 * max(entry.largest, entry.out)
             if term > peak:
                 peak, where = term, i
         return peak, where
