@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from .planning import TreePlan as TreePlan
     from .planning import plan as plan
     from .planning import profile_chain as profile_chain
+    from .runtime import Cap as Cap
+    from .runtime import cap as cap
 
 __version__ = "0.1.0"
 
@@ -59,6 +61,8 @@ _LAZY: dict[str, str] = {
     "Plan": ".planning",
     "TreePlan": ".planning",
     "profile_chain": ".planning",
+    "cap": ".runtime",
+    "Cap": ".runtime",
 }
 
 # Public submodules, imported on first access; ``schedules`` and ``policies`` import no torch.
@@ -66,6 +70,7 @@ _SUBMODULES = ("models", "policies", "schedules")
 
 __all__ = [
     "BudgetInfeasibleError",
+    "Cap",
     "Forget",
     "ForgetError",
     "ForgetSequential",
@@ -76,6 +81,7 @@ __all__ = [
     "TreePlan",
     "__version__",
     "apply_forget",
+    "cap",
     "checkpoint",
     "fast_path",
     "forget",

@@ -11,12 +11,15 @@
 - `_debug`: ``debug=True``'s op traces of forward and re-run (NOTE [debug trace]).
 - `_sites`: call sites learned once, then run on hooks alone (NOTE [fast path]).
 - `_slots`: what autograd holds in place of a saved tensor.
+- `_droppable`: a region keeping what it saves in slots a runtime empties
+  (NOTE [droppable regions]; `forget.cap`).
 - `_storage`: storage identity; `_in_turn`: callables run in turn;
   `_local`: per-thread state (running regions, hidden ops).
 
 Other packages import the names below, never the underscore modules.
 """
 
+from ._droppable import DroppableRegion as DroppableRegion
 from ._forget import compiled_region as compiled_region
 from ._forget import forget as forget
 from ._forget import run_region as run_region
@@ -32,6 +35,7 @@ from ._storage import storage_of as storage_of
 from ._storage import view_key as view_key
 
 __all__ = [
+    "DroppableRegion",
     "InTurn",
     "Region",
     "StorageKey",

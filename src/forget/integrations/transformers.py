@@ -88,11 +88,13 @@ from typing import TYPE_CHECKING, Any
 
 from .. import checkpoint
 from ..policies import Policy, as_policy
+from ._transformers_cap import enable_cap
 
 if TYPE_CHECKING:
     from ..planning import TreePlan
 
 __all__ = [
+    "cap_of",
     "checkpoint_function",
     "checkpointed_layers",
     "disable",
@@ -119,6 +121,7 @@ def enable(
     loss_fn: Callable[[Any], Any] | None = None,
     candidates: str | type | Iterable[str | type] | None = None,
     options: Mapping[str, Policy | bool] | None = None,
+    cap: int | float | str | None = None,
 ) -> Any:
     """Turn on gradient checkpointing in ``model``, run by forget; with ``budget``, a fitted plan.
 
@@ -153,6 +156,8 @@ def enable(
         candidates: which submodules may be regions, as `forget.plan` takes them.
         options: name -> policy, partial keeps a region may take instead of
             forgetting everything, as `forget.plan` takes them.
+        cap: instead of a plan, a runtime cap, what `forget.cap` takes (NOTE [cap in
+            force]): every step, of any shape, under it; no planning run.
 
     Returns:
         ``model`` itself, changed in place. As with transformers' own
@@ -173,6 +178,13 @@ def enable(
     """
     n = every_n_layers
     planning = {"inputs": inputs, "loss_fn": loss_fn, "candidates": candidates, "options": options}
+    if cap is not None:
+        others = {**planning, "candidates": None, "budget": budget, "policy": policy}
+        others |= {"preserve_rng_state": preserve_rng_state, "every_n_layers": n}
+        capped = _base_model(model, layers=False)
+        at = _door(capped) or _ForgetDoor(capped, _found_options(capped))
+        enable_cap(at, _checkpointing_state(capped), _put_back, cap, candidates, others)
+        return model
     if budget is not None:
         layer_options = {"policy": policy, "preserve_rng_state": preserve_rng_state}
         return _enable_plan(model, budget, planning, {**layer_options, "every_n_layers": n})
@@ -229,11 +241,11 @@ def disable(model: Any) -> Any:
 
 
 def is_enabled(model: Any) -> bool:
-    """Whether a plan of forget's is in force on ``model``, or forget runs every checkpointed layer.
+    """Whether a plan or cap is in force on ``model``, or forget runs each checkpointed layer.
 
     Layers: some layer is checkpointed, and every checkpointed one by forget.
     """
-    if plan_of(model) is not None:
+    if plan_of(model) is not None or cap_of(model) is not None:
         return True
     flagged = [m for m in _checkpointing_modules(model) if m.gradient_checkpointing]
     return bool(flagged) and all(getattr(getattr(m, _ATTR, None), _MARK, False) for m in flagged)
@@ -245,10 +257,17 @@ def plan_of(model: Any) -> TreePlan | None:
     ``print(plan_of(model))`` shows the regions as a tree with their bytes; the
     plan's ``measured_peak_bytes`` is the planned step's peak by the allocator.
     """
-    get_base_model = getattr(model, "get_base_model", None)
-    base = get_base_model() if callable(get_base_model) else model
-    door = _door(base) if hasattr(base, "__dict__") else None
-    return None if door is None else door.plan
+    return getattr(_door_of(model), "plan", None)
+
+
+def cap_of(model: Any) -> Any:
+    """The `forget.runtime.Cap` that ``enable(model, cap=...)`` put in force, or ``None``."""
+    return getattr(_door_of(model), "cap", None)
+
+
+def _door_of(model: Any) -> _ForgetDoor | None:  # of a PEFT model's base model too
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return _door(base) if hasattr(base, "__dict__") else None
 
 
 def checkpointed_layers(model: Any) -> list[str]:
@@ -293,7 +312,7 @@ def _enable_plan(
     door = _door(base)
     if door is None:
         door = _ForgetDoor(base, _found_options(base))
-    before, found = door.plan, _checkpointing_state(base)
+    before, capped, found = door.plan, door.cap, _checkpointing_state(base)
     door.remove_plan()
     for module, _ in found:
         if module.gradient_checkpointing:
@@ -306,6 +325,8 @@ def _enable_plan(
         if before is not None:
             before.apply(base)
             door.plan = before
+        elif capped is not None:
+            door.cap = type(capped)(base, list(capped.names), capped.budget_bytes)
         raise
     door.plan = fitted
     door.install()
@@ -324,6 +345,7 @@ class _ForgetDoor:
         self.model = model
         self.options = options
         self.plan: TreePlan | None = None
+        self.cap: Any = None  # a forget.runtime.Cap (NOTE [cap in force])
         self.name = "activation_checkpointing_enable"
         if not hasattr(model, self.name):  # transformers 4.x
             self.name = "gradient_checkpointing_enable"
@@ -352,15 +374,16 @@ class _ForgetDoor:
                 f"model.{self.name}(offload=True)."
             )
         given = activation_checkpointing_kwargs or gradient_checkpointing_kwargs or {}
-        if self.plan is not None:
+        if self.plan is not None or self.cap is not None:
             self.keep_plan(given, every_n_layers)
             return
         self.options = {**self.options, **given}
         self.switch_on(every_n_layers=every_n_layers)
 
     def keep_plan(self, given: Mapping[str, Any], every_n_layers: int) -> None:
-        """A call of the door under a plan: nothing switched on, what cannot hold raises."""
-        assert self.plan is not None
+        """The door called under a plan or a cap: nothing switched on; what cannot hold raises."""
+        fixed, how = (self.plan, "a plan fitted to") if self.plan else (self.cap, "a cap of")
+        chooser = f"{how} {fixed.budget_bytes:,} B chooses (enable(model, budget= or cap=))"
         # Taken: use_reentrant (the engine is never reentrant), and what the regions do.
         taken = {("preserve_rng_state", True)}
         asked = [
@@ -369,16 +392,15 @@ class _ForgetDoor:
         if every_n_layers != 1 or asked:
             asked = [f"every_n_layers={every_n_layers}"] * (every_n_layers != 1) + asked
             raise ValueError(
-                f"forget: {self.name}({', '.join(asked)}) on a model whose regions a plan "
-                f"fitted to {self.plan.budget_bytes:,} B chooses (enable(model, budget=...)); "
-                "the plan stays in force and checkpoints no layer on top of it (NOTE [plan "
+                f"forget: {self.name}({', '.join(asked)}) on a model whose regions {chooser}; "
+                "it stays in force and checkpoints no layer on top of it (NOTE [plan "
                 "in force]), so this would be lost. Leave it out (of TrainingArguments' "
                 "activation_checkpointing_kwargs too), or checkpoint layers instead: "
                 "forget.integrations.transformers.enable(model) without budget."
             )
         if given.get("use_reentrant"):
             warnings.warn(
-                "forget: use_reentrant=True is ignored; the regions of forget's plan run "
+                "forget: use_reentrant=True is ignored; the regions of forget's plan or cap run "
                 "forget's own non-reentrant engine. Pass use_reentrant=False to silence "
                 "this warning.",
                 UserWarning,
@@ -398,6 +420,9 @@ class _ForgetDoor:
         if self.plan is not None:
             self.plan.remove(self.model)
             self.plan = None
+        if self.cap is not None:
+            self.cap.remove()
+            self.cap = None
 
     def put_back_found(self) -> None:
         """transformers' checkpointing as the door found it (NOTE [settings kept])."""

@@ -32,6 +32,8 @@ from ._timing import ratio_range as ratio_range
 from ._timing import time_calls as time_calls
 from ._timing import time_rounds as time_rounds
 from ._timing import time_side_by_side as time_side_by_side
+from ._tree_apply import is_wrapped as is_wrapped
+from ._tree_candidates import find_candidates as find_candidates
 from ._tree_plan import DEFAULT_OPTIONS as DEFAULT_OPTIONS
 from ._tree_plan import TreePlan as TreePlan
 from ._tree_planner import TreePlanner as TreePlanner
@@ -43,6 +45,8 @@ __all__ = [
     "Planner",
     "TreePlan",
     "TreePlanner",
+    "find_candidates",
+    "is_wrapped",
     "paired_overheads",
     "plan",
     "profile_chain",

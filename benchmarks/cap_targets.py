@@ -1,0 +1,178 @@
+"""Figures for `forget.cap` (issue 31): peak / cap per step of runs whose shapes vary, and times.
+
+For each model (Hugging Face Llama, GPT-2 and BERT from small configs with 64 to
+512 tokens; a ResNet with BatchNorm with batches of 4 to 16), the plain step's
+peak at the largest shape is measured by the allocator (``forget.measure(...,
+probe="profiler")``); then, under caps at 75 % and 50 % of it, a run of steps
+whose shapes vary (the largest last but one, a small one first) is measured step
+by step: peak / cap, regions evicted, the runtime's estimate. ``--times`` adds,
+at the largest shape, the capped step's time against plain (a cap never reached:
+1e12 bytes), against the cap at 50 %, and against a ``forget.plan`` at that
+budget and layer checkpointing, medians of interleaved rounds.
+
+    PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
+        [--times] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+import forget
+from forget.planning import time_calls
+
+tf: Any = transformers
+
+TOKENS = (128, 512, 64, 256, 384)
+BATCHES = (8, 16, 4, 12)
+
+
+def _lm(config: Any, cls: Any) -> Callable[[int], tuple[nn.Module, dict[str, Any]]]:
+    def make(tokens: int) -> tuple[nn.Module, dict[str, Any]]:
+        torch.manual_seed(0)
+        ids = torch.randint(1, config.vocab_size, (2, tokens))
+        return cls(config).train(), {"input_ids": ids, "labels": ids}
+
+    return make
+
+
+def models() -> dict[
+    str, tuple[Callable[[int], tuple[nn.Module, dict[str, Any]]], tuple[int, ...]]
+]:
+    small = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4}
+    llama = tf.LlamaConfig(
+        **small,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_cache=False,
+    )
+    gpt2 = tf.GPT2Config(
+        vocab_size=256, n_embd=64, n_head=4, n_layer=4, n_positions=512, use_cache=False
+    )
+    bert = tf.BertConfig(
+        **small, num_hidden_layers=4, intermediate_size=128, max_position_embeddings=512
+    )
+    resnet = tf.ResNetConfig(
+        num_channels=3,
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64],
+        depths=[2, 2, 2],
+        layer_type="basic",
+        num_labels=10,
+    )
+
+    def make_resnet(batch: int) -> tuple[nn.Module, dict[str, Any]]:
+        torch.manual_seed(0)
+        x = torch.randn(batch, 3, 64, 64)
+        return tf.ResNetForImageClassification(resnet).train(), {
+            "pixel_values": x,
+            "labels": torch.arange(batch) % 10,
+        }
+
+    return {
+        "llama": (_lm(llama, tf.LlamaForCausalLM), TOKENS),
+        "gpt2": (_lm(gpt2, tf.GPT2LMHeadModel), TOKENS),
+        "bert": (_lm(bert, tf.BertForMaskedLM), TOKENS),
+        "resnet": (make_resnet, BATCHES),
+    }
+
+
+def step_of(model: nn.Module, inputs: dict[str, Any]) -> Callable[[], None]:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(**inputs).loss.backward()
+
+    return step
+
+
+def peak(model: nn.Module, inputs: dict[str, Any]) -> int:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    return forget.measure(step_of(model, inputs), probe="profiler").peak_bytes
+
+
+def run_peaks(name: str) -> None:
+    make, shapes = models()[name]
+    largest = max(shapes)
+    model, big = make(largest)
+    plain = peak(model, big)
+    print(f"## {name}: plain peak at {largest} = {plain:,} B")
+    for share in (0.75, 0.5):
+        budget = int(plain * share)
+        capped = copy.deepcopy(model)
+        handle = forget.cap(capped, budget)
+        row = []
+        for shape in shapes:
+            _, inputs = make(shape)
+            try:
+                got = peak(capped, inputs)
+            except forget.ForgetError as error:
+                row.append(f"{shape}: error ({str(error)[:90]}...)")
+                continue
+            report = handle.steps[-1]
+            row.append(
+                f"{shape}: {got / budget:.3f} ({len(report.evicted)}/{len(report.regions)} "
+                f"evicted, est {report.estimated_peak_bytes / budget:.3f})"
+            )
+        handle.remove()
+        print(f"  cap {share:.0%} = {budget:,} B: " + "; ".join(row))
+
+
+def run_times(name: str, rounds: int) -> None:
+    make, shapes = models()[name]
+    model, inputs = make(max(shapes))
+    plain_peak = peak(model, inputs)
+    budget = plain_peak // 2
+    never = copy.deepcopy(model)
+    forget.cap(never, 10**12)
+    capped = copy.deepcopy(model)
+    forget.cap(capped, budget)
+    layers: Any = copy.deepcopy(model)
+    layers.activation_checkpointing_enable({"use_reentrant": False})
+    calls = {
+        "plain": step_of(model, inputs),
+        "cap never reached": step_of(never, inputs),
+        "cap 50%": step_of(capped, inputs),
+        "layer checkpointing": step_of(layers, inputs),
+    }
+    try:
+        planned = copy.deepcopy(model)
+        fitted = forget.plan(planned, budget=budget, **inputs)
+        fitted.apply(planned)
+        calls["plan 50%"] = step_of(planned, inputs)
+    except forget.ForgetError as error:
+        print(f"  plan at 50%: {error}")
+    rounds_s = time_calls(calls, rounds)
+    times = {key: statistics.median(ts) for key, ts in rounds_s.items()}
+    base = times["plain"]
+    print(f"## {name} times at {max(shapes)} (medians of {rounds} interleaved rounds)")
+    for key, value in times.items():
+        print(f"  {key}: {value * 1e3:.1f} ms ({value / base:.3f} x plain)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama,gpt2,bert,resnet")
+    parser.add_argument("--times", action="store_true")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for name in args.models.split(","):
+        run_peaks(name)
+        if args.times:
+            run_times(name, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

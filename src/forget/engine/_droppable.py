@@ -1,0 +1,122 @@
+"""A region that keeps what it saves, in slots a runtime may empty (NOTE [droppable regions]).
+
+NOTE [droppable regions]: a `DroppableRegion` runs its forward as any region
+does (the same pack, the same fast path, the same record of RNG, autocast and
+outside state), except that a saved tensor the region made is held in a
+`DroppableSlot` instead of being let go: backward unpacks it as plain autograd
+would, with no re-run. `DroppableRegion.drop` empties every slot at once (the
+region is *evicted*): the memory goes, the inputs stay (they are kept as any
+region keeps them, NOTE [nesting]), and the first unpack re-runs the region
+exactly as a forgotten region re-runs (RNG replayed, module state once, early
+stop). A held slot is checked against in-place writes as autograd checks
+what it saves. Under ``create_graph`` every slot is rebuilt, as a policy's
+kept tensors are (NOTE [double backward]).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import ForgetError
+from ._region import Region
+from ._slots import KeptSlot, Slot, region_name
+from ._state import detached
+from ._storage import StorageKey, storage_key, storage_of
+
+__all__ = ["DroppableRegion"]
+
+
+class DroppableSlot(Slot):
+    """A saved tensor the region made, held until the region is dropped."""
+
+    __slots__ = ("value", "version")
+
+    def __init__(self, region: Region, index: int, value: torch.Tensor) -> None:
+        super().__init__(region, index)
+        self.value: torch.Tensor | None = value
+        self.version = value._version
+
+    def rebuilt(self, keep_graph: bool) -> bool:
+        return keep_graph or self.value is None
+
+
+class DroppableRegion(Region):
+    """A region whose saved tensors stay until `drop` (NOTE [droppable regions]).
+
+    Attributes:
+        held_bytes: bytes of each storage held in the region's slots, by storage key
+            (the region made them; they go when the region is dropped and nothing
+            else holds them).
+        kept_bytes: bytes of each storage the region saved that no region made
+            (its inputs), by storage key: they stay when it is dropped.
+        dropped: whether `drop` ran.
+    """
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        **options: Any,
+    ) -> None:
+        super().__init__(func, args, kwargs, **options)
+        self.held_bytes: dict[StorageKey, int] = {}
+        self.kept_bytes: dict[StorageKey, int] = {}
+        self.dropped = False
+
+    def _pack(self, t: torch.Tensor) -> Slot:
+        slot = super()._pack(t)
+        if type(slot) is not Slot:
+            if isinstance(slot, KeptSlot) and slot.version is not None:
+                _count(self.kept_bytes, t)
+            return slot
+        value = detached(t)
+        if t.requires_grad:
+            # A nested region's input held here must behave as the tensor did when
+            # that region re-runs from it (NOTE [nested grad]).
+            value.requires_grad_()
+        held = DroppableSlot(self, slot.index, value)
+        self._live[slot.index] = weakref.ref(held)
+        _count(self.held_bytes, t)
+        return held
+
+    def unpack(self, index: int) -> torch.Tensor:
+        ref = self._live.get(index)
+        slot = ref() if ref is not None else None
+        if (
+            isinstance(slot, DroppableSlot)
+            and slot.value is not None
+            and not torch.is_grad_enabled()
+        ):
+            value = slot.value
+            if value._version != slot.version:
+                raise ForgetError(
+                    f"forget: a tensor of shape {list(value.shape)} that "
+                    f"{region_name(self.func)} saved for backward was modified in place "
+                    f"after it was saved (version {slot.version} -> {value._version}); "
+                    "gradients would be wrong, as autograd says of a plain run. Modify a "
+                    "clone instead."
+                )
+            return value
+        return super().unpack(index)
+
+    def drop(self) -> None:
+        """Empty every slot: backward re-runs the region for what it needs."""
+        self.dropped = True
+        for ref in self._live.values():
+            slot = ref()
+            if isinstance(slot, DroppableSlot):
+                slot.value = None
+
+
+def _count(into: dict[StorageKey, int], t: torch.Tensor) -> None:
+    s = storage_of(t)
+    if s is None:
+        return
+    key = storage_key(t)
+    if key not in into:
+        into[key] = s.nbytes()

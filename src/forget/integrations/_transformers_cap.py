@@ -1,0 +1,57 @@
+"""`enable(model, cap=...)`: a runtime cap on a Hugging Face model (`forget.cap`).
+
+NOTE [cap in force]: with ``cap=``, `enable` puts a `forget.cap` on the model
+(regions evicted at run time to keep each step under the cap, whatever its
+shapes; no planning run) and is otherwise as with a plan: transformers' own
+checkpointing is off and stays off, and the door keeps the cap through
+``Trainer(gradient_checkpointing=True)`` and raises for what it would lose.
+`enable` without ``cap`` or ``budget`` removes it; `disable` removes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["enable_cap"]
+
+
+def enable_cap(
+    door: Any,
+    found: list[tuple[Any, Any]],
+    put_back: Callable[[list[tuple[Any, Any]]], None],
+    budget: int | float | str,
+    candidates: Any,
+    others: dict[str, Any],
+) -> None:
+    """`enable` with ``cap``: transformers' checkpointing off, a cap in (NOTE [cap in force]).
+
+    ``door`` is the model's `_ForgetDoor` (new or found), ``found`` transformers'
+    checkpointing as it is now and ``put_back`` what restores it; ``others`` the
+    other arguments of `enable`, which must be ``None``.
+    """
+    from ..runtime import Cap, cap
+
+    if given := [name for name, value in others.items() if value is not None]:
+        raise TypeError(
+            f"forget: {given} do not go with cap=: a cap checkpoints no layers and plans "
+            "nothing; it decides at run time which regions to re-run (NOTE [cap in force]). "
+            "Leave them out, or use budget= and inputs= for a plan instead."
+        )
+    base = door.model
+    before_plan, before_cap = door.plan, door.cap
+    door.remove_plan()
+    for module, _ in found:
+        if module.gradient_checkpointing:
+            module.gradient_checkpointing = False
+    try:
+        door.cap = cap(base, budget, candidates=candidates)
+    except BaseException:
+        put_back(found)
+        if before_plan is not None:
+            before_plan.apply(base)
+            door.plan = before_plan
+        elif before_cap is not None:
+            door.cap = Cap(base, list(before_cap.names), before_cap.budget_bytes)
+        raise
+    door.install()

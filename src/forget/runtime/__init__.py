@@ -1,0 +1,17 @@
+"""The runtime: a memory cap that each step keeps, with no plan (`forget.cap`).
+
+- `_cap`: `cap` and the `Cap` handle; the model's and the regions' forwards
+  wrapped (NOTE [a cap, not a plan]).
+- `_steps`: one step's count of bytes and its evictions (NOTE [the cap's count],
+  NOTE [eviction order]).
+
+The regions themselves are the engine's (`forget.engine.DroppableRegion`). Other
+packages import the names below, never the underscore modules.
+"""
+
+from ._cap import Cap as Cap
+from ._cap import budget_to_bytes as budget_to_bytes
+from ._cap import cap as cap
+from ._steps import StepReport as StepReport
+
+__all__ = ["Cap", "StepReport", "budget_to_bytes", "cap"]

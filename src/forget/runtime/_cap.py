@@ -1,0 +1,313 @@
+"""`cap`: keep every training step of a model under a memory cap, with no plan.
+
+NOTE [a cap, not a plan]: a plan is fixed for the shapes it measured; a cap
+decides at run time, step by step, from the shapes it sees. Every candidate
+region (the tree planner's, NOTE [tree candidates], or ``candidates=``) runs
+as a `forget.engine.DroppableRegion` (NOTE [droppable regions]): its saved
+tensors stay, as under plain autograd, until the runtime evicts it, and an
+evicted region re-runs in backward exactly as a forgotten one does. The
+runtime counts the step's memory at each region boundary and evicts while
+the estimate passes the cap (NOTE [the cap's count], NOTE [eviction order]).
+The model's own forward is wrapped too: it marks the step's start and end and
+sees what autograd saves outside the regions. Like a tree plan, the cap
+changes no class and adds no submodule (NOTE [instance forward]); `Cap.remove`
+restores each forward exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import DroppableRegion, in_recomputing, run_region
+from ..errors import ForgetError
+from ..planning import find_candidates, is_wrapped
+from ..schedules import parse_budget
+from ._steps import Step, StepReport
+
+__all__ = ["Cap", "cap"]
+
+#: Reports kept by a handle (the most recent steps).
+_HISTORY = 1000
+
+
+def cap(
+    model: nn.Module,
+    budget: int | float | str,
+    *,
+    candidates: str | type | Iterable[str | type] | None = None,
+) -> Cap:
+    """Keep every training step of ``model`` under ``budget`` bytes, in place, with no plan.
+
+    Regions keep their activations while they fit and are evicted, to be
+    re-run exactly in backward, when the step's memory would pass the cap:
+    memory is traded for recomputation only as far as each step's shapes
+    need, decided at run time (NOTE [a cap, not a plan]). The cap bounds what
+    a step allocates beyond what was allocated when it began, the figure
+    `forget.measure` reports (NOTE [the cap's count]). Gradients are those of
+    the plain step, bitwise on CPU; dropout is replayed and BatchNorm
+    statistics are updated once.
+
+    Args:
+        model: the module whose forward a training step calls.
+        budget: bytes (``int``), a size (``"512MiB"``, ``"2GB"``); on CUDA also
+            ``"free"`` (what the device has free now) or a share of it
+            (``"60%"``, ``0.6``). A share needs a reference, and on CPU there
+            is none: give bytes there.
+        candidates: which submodules may be regions, as `forget.plan` takes
+            them (a name pattern, a module type, or a list of them); default
+            the repeated blocks and the modules around them (NOTE [tree
+            candidates]).
+
+    Returns:
+        A `Cap`; ``handle.remove()`` puts the model back as it was.
+
+    Raises:
+        TypeError: ``model`` is no ``nn.Module``; a budget of another type.
+        ValueError: a budget that is no size; a share on CPU; a model with no
+            candidate region.
+        ForgetError: the model runs under a cap or a plan already. During a step:
+            a cap that cannot hold, naming the least the step needs.
+
+    Example:
+        >>> import torch, forget
+        >>> from torch import nn
+        >>> def block():
+        ...     return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+        >>> net = nn.Sequential(*[block() for _ in range(6)])
+        >>> handle = forget.cap(net, "5MB")
+        >>> for rows in (64, 256, 128):  # shapes vary; nothing planned
+        ...     step = lambda: net(torch.randn(rows, 64)).sum().backward()
+        ...     assert forget.measure(step).peak_bytes <= handle.budget_bytes
+        >>> "5" in handle.last_step.evicted  # backward meets the last block first
+        False
+        >>> handle.remove()
+        Sequential(...)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"forget: cap takes an nn.Module, got {type(model).__name__}; pass the model "
+            "whose forward the training step calls."
+        )
+    budget_bytes = budget_to_bytes(budget, _device_of(model))
+    _refuse_wrapped(model)
+    names = [
+        name
+        for name in find_candidates(model, candidates)
+        if not isinstance(model.get_submodule(name), nn.ModuleList | nn.ModuleDict)
+    ]
+    if not names:
+        raise ValueError(
+            f"forget: {type(model).__name__} has no candidate region for a cap: no repeated "
+            "blocks or modules around them (NOTE [tree candidates]); name the submodules "
+            "that may be regions with candidates= (a name pattern such as '*.layers.*', a "
+            "module type, or a list of them)."
+        )
+    return Cap(model, names, budget_bytes)
+
+
+def budget_to_bytes(budget: int | float | str, device: torch.device) -> int:
+    """A cap's budget in bytes: `forget.plan`'s sizes, or on CUDA a share of what is free."""
+    share = isinstance(budget, float) or (isinstance(budget, str) and budget.strip().endswith("%"))
+    if budget == "free" or share:
+        if device.type != "cuda":
+            raise ValueError(
+                f"forget: the cap {budget!r} is a share of the device's free memory, and "
+                f"the model is on {device.type}, where forget knows no such figure; give "
+                "bytes, e.g. forget.cap(model, '2GiB')."
+            )
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+        return free_bytes if budget == "free" else parse_budget(budget, free_bytes)
+    return parse_budget(budget)
+
+
+class Cap:
+    """A cap in force on a model (`cap`): its budget, what it did, and `remove`.
+
+    Attributes:
+        model: the capped model.
+        names: the candidate regions, dotted names.
+    """
+
+    def __init__(self, model: nn.Module, names: list[str], budget_bytes: int) -> None:
+        self.model = model
+        self.names = tuple(names)
+        self._budget_bytes = budget_bytes
+        self._step: Step | None = None
+        self._history: list[StepReport] = []
+        self._learned: dict[str, tuple[int, int, bool]] = {}
+        self._extra_bytes = 0
+        wrapped: list[nn.Module] = []
+        try:
+            for name in names:
+                module = model.get_submodule(name)
+                _wrap(module, functools.partial(self._region_forward, name))
+                wrapped.append(module)
+            _wrap(model, self._model_forward)
+            wrapped.append(model)
+        except BaseException:
+            for module in wrapped:
+                _unwrap(module)
+            raise
+
+    @property
+    def budget_bytes(self) -> int:
+        """The cap, in bytes."""
+        return self._budget_bytes
+
+    def set_budget(self, budget: int | float | str) -> None:
+        """Change the cap from the next step on (what `cap` takes as ``budget``)."""
+        self._budget_bytes = budget_to_bytes(budget, _device_of(self.model))
+
+    @property
+    def last_step(self) -> StepReport | None:
+        """What the cap did in the latest step (its forward so far), or ``None``."""
+        return self._step.report() if self._step is not None else None
+
+    @property
+    def steps(self) -> tuple[StepReport, ...]:
+        """What it did in each step, oldest first (the latest 1000)."""
+        latest = () if self._step is None else (self._step.report(),)
+        return (*self._history, *latest)
+
+    def remove(self) -> nn.Module:
+        """Put the model back exactly as it was before `cap`; return it."""
+        for name in self.names:
+            _unwrap(self.model.get_submodule(name))
+        _unwrap(self.model)
+        self._step = None
+        return self.model
+
+    def __repr__(self) -> str:
+        return f"<forget cap of {self._budget_bytes:,} B over {len(self.names)} regions>"
+
+    # -- the wrapped forwards ---------------------------------------------------
+    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
+        previous = self._step
+        if previous is not None:
+            self._history = [*self._history, previous.report()][-_HISTORY + 1 :]
+            if previous.cuda is not None:
+                # NOTE [the cap's count]: the allocator's peak teaches the reserve.
+                peak = torch.cuda.max_memory_allocated(previous.cuda) - previous.cuda_start
+                self._extra_bytes += max(0, peak - previous.estimated_peak_bytes)
+        step = Step(
+            self.model,
+            self._budget_bytes,
+            self._learned,
+            self._extra_bytes,
+            (args, kwargs),
+            [] if previous is None else [e.name for e in previous.entries],
+        )
+        if step.cuda is not None:
+            torch.cuda.reset_peak_memory_stats(step.cuda)
+        self._step = step
+        return step
+
+    def _model_forward(
+        self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        step = self._step
+        if not torch.is_grad_enabled() or in_recomputing() or (step and not step.closed):
+            return original(*args, **kwargs)
+        step = self._begin(args, kwargs)
+        step.rooted = True
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            step.saved_outside(t)
+            return t.detach()
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+                out = original(*args, **kwargs)
+            step.model_returned(out)
+        finally:
+            step.closed = True
+        return out
+
+    def _region_forward(
+        self,
+        name: str,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        if in_recomputing() or torch.compiler.is_compiling():
+            # NOTE [eviction order]: a re-run's regions keep nothing.
+            return run_region(original, args, kwargs)
+        step = self._step
+        if step is None or step.closed:  # a region run without the model's forward
+            step = self._begin(args, kwargs)
+        entry = step.enter(name)
+        start = time.perf_counter()
+        try:
+            region = DroppableRegion(original, args, kwargs)
+            out = region.run_forward()
+        except BaseException:
+            step.leave(entry, None, None, 0.0)
+            raise
+        step.leave(entry, region, out, time.perf_counter() - start)
+        return out
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _CapForward:
+    """A module's forward run through the cap (NOTE [instance forward])."""
+
+    def __init__(self, module: nn.Module, call: Callable[..., Any]) -> None:
+        original = module.forward
+        functools.update_wrapper(self, original)
+        self.original = original
+        self.own = module.__dict__.get("forward")
+        self.call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(self.original, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<forget cap around {self.original!r}>"
+
+
+def _wrap(module: nn.Module, call: Callable[..., Any]) -> None:
+    module.__dict__["forward"] = _CapForward(module, call)
+
+
+def _unwrap(module: nn.Module) -> None:
+    wrapper = module.__dict__.get("forward")
+    if not isinstance(wrapper, _CapForward):
+        return
+    if wrapper.own is None:
+        del module.__dict__["forward"]
+    else:
+        module.__dict__["forward"] = wrapper.own
+
+
+def _refuse_wrapped(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        where = f"{type(model).__name__}.{name}" if name else type(model).__name__
+        if isinstance(module.__dict__.get("forward"), _CapForward):
+            raise ForgetError(
+                f"forget: {where} runs under a cap already; one cap per model. Call "
+                "handle.remove() on the first (or handle.set_budget to change it) before "
+                "capping again."
+            )
+        if is_wrapped(module) or getattr(module, "blocks_runner", None) is not None:
+            raise ForgetError(
+                f"forget: {where} runs under a forget plan, and a cap decides what the plan "
+                "fixed; remove the plan first (plan.remove(model)), then cap the model."
+            )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return torch.device("cpu") if first is None else first.device

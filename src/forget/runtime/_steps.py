@@ -1,0 +1,440 @@
+"""What a cap knows of the step running now: its regions, the bytes they hold, evictions.
+
+NOTE [the cap's count]: a cap bounds what a training step allocates beyond what
+was allocated when it began, the figure `forget.measure` reports and a plan's
+budget bounds: the activations, the gradients the step makes and backward's
+working memory (parameters and optimizer state are there before the step, so a
+``"free"`` cap on CUDA, the device's free memory, leaves room for them). At each
+region boundary of the forward (a candidate region returns; the model returns)
+the runtime counts ``now``, the bytes the step holds:
+
+* on CUDA, ``torch.cuda.memory_allocated`` less its value at the step's start;
+* on CPU, which has no such counter, a running count of storages: those held in
+  the regions' droppable slots (NOTE [droppable regions]), those the regions
+  keep (their inputs, made outside every region) and those autograd saves
+  outside the regions in the model's own forward (a hook on the model's
+  forward sees them), each storage once; never parameters, buffers or the
+  step's inputs, which were there before it.
+
+Inside the forward, the estimate is ``now`` plus what the next region may add:
+the held bytes of the latest region with none inside, or of the next few as
+the last step ran them (learned per candidate, scaled by the input's elements),
+plus the largest storage once more (made, not yet saved). At the forward's end
+it is backward's peak, modelled region by region in backward's order: backward
+holds, at a region with none inside, what the regions up to it hold and keep (an evicted
+one counted while backward is inside it: rebuilt, with every evicted region
+around it), two gradients of its largest tensor or output (of an op's output
+and input at once), and throughout what no region
+holds, every gradient of the parameters that had none, and the model's output
+once more (a loss outside the model saves about that much). The model is
+conservative (the tests and benchmarks/measured.md give the measured peaks
+against it); on CUDA the allocator's peak above a step's estimate is added to
+the next steps' reserve, which so learns what the model missed.
+
+While the estimate passes the cap, regions are evicted (NOTE [eviction order]);
+when no region is left to evict, the cap cannot hold and the step stops with a
+`ForgetError` naming the estimate, after the model's buffers are put back as
+they were when the step began (a copy taken then, counted in ``now``).
+
+NOTE [eviction order]);
+when no region is left to evict, the cap cannot hold and the step stops with a
+`ForgetError` naming the estimate, after the model's buffers are put back as
+they were when the step began (a copy taken then, counted in ``now``).
+
+NOTE [eviction order]: a region may be evicted once its forward has returned,
+and a region with candidate regions inside only once they are all evicted (its
+slots hold their inputs: evicting it first would re-run them all to rebuild
+them). Among those, the runtime evicts the region with the least
+
+    cost_s / (freed_bytes * staleness)
+
+DTR's heuristic (Kirisame et al., ICLR 2021, "Dynamic Tensor
+Rematerialization", h_DTR = cost / (memory * staleness)), at region
+granularity: ``cost_s`` is the region's forward time, ``freed_bytes`` what
+evicting it frees (storages no other region or input holds), ``staleness`` the
+number of region boundaries since it returned. At the forward's end only a
+region that lies before backward's modelled peak (in forward order) is worth
+evicting: backward meets it after the peak, and at the peak it then holds
+less; within its own span it is held again, rebuilt. So an enclosing region,
+whose slots hold the inputs of the regions inside, is evicted only when the
+peak falls after it. Staleness also orders regions
+by backward: those the forward ran first are needed last in backward, where
+their re-run meets the least memory held; those it ran last would be re-run at
+once, at backward's peak. Repeated blocks (equal cost and bytes) are thus
+evicted from the first one on. The regions a re-run starts in backward are
+plain forgotten regions (keeping nothing), so a re-run holds its own slots
+and, in turn, one region inside it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine import DroppableRegion, StorageKey, storage_key, storage_of
+from ..errors import ForgetError
+
+__all__ = ["Step", "StepReport", "tensors_in"]
+
+# How many regions ahead the forward's reserve looks, in the last step's order.
+_AHEAD = 3
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a cap did in one step.
+
+    Attributes:
+        regions: the candidate regions the step ran, in forward order.
+        evicted: those evicted (re-run in backward), in eviction order.
+        estimated_peak_bytes: the largest estimate of the step's peak at a region
+            boundary, after evictions (NOTE [the cap's count]).
+        budget_bytes: the cap in force.
+    """
+
+    regions: tuple[str, ...]
+    evicted: tuple[str, ...]
+    estimated_peak_bytes: int
+    budget_bytes: int
+
+
+class _Entry:
+    """One candidate region run in the step's forward."""
+
+    __slots__ = (
+        "children",
+        "cost_s",
+        "done",
+        "end",
+        "index",
+        "keys",
+        "largest",
+        "last",
+        "leaf",
+        "name",
+        "out",
+        "parent",
+        "ref",
+        "size",
+    )
+
+    def __init__(self, name: str, parent: _Entry | None) -> None:
+        self.name = name
+        self.parent = parent
+        self.children: list[_Entry] = []
+        self.ref: weakref.ref[DroppableRegion] | None = None
+        self.keys: list[StorageKey] = []
+        self.cost_s = 0.0
+        self.size = 0
+        self.leaf = True
+        self.end = 0
+        self.index = self.last = 0
+        self.largest = self.out = 0
+        self.done = False
+
+
+class Step:
+    """The bookkeeping of one step under a cap (NOTE [the cap's count]).
+
+    Args:
+        model: the capped model.
+        budget_bytes: the cap.
+        learned: per candidate name, its held bytes, the model's input elements
+            when it last ran, and whether it ran no region inside (updated by the step).
+        extra_bytes: a learned addition to the reserve (CUDA).
+        order: the names of the regions the last step ran, in order.
+        inputs: the step's inputs (the model's arguments): made before the step,
+            they are not counted; their elements scale learned sizes.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget_bytes: int,
+        learned: dict[str, tuple[int, int, bool]],
+        extra_bytes: int,
+        inputs: Any,
+        order: list[str],
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.learned = learned
+        self.extra_bytes = extra_bytes
+        given = tensors_in(inputs)
+        self.input_elements = max(sum(t.numel() for t in given), 1)
+        self.entries: list[_Entry] = []
+        self.running: list[_Entry] = []
+        self.evicted: list[str] = []
+        self.estimated_peak_bytes = 0
+        self.closed = False
+        self.rooted = False  # begun by the model's forward
+        self.boundaries = 0
+        # storage key -> [bytes, holders]; the count of ``now`` on CPU.
+        self._live: dict[StorageKey, list[int]] = {}
+        self._outside: dict[StorageKey, int] = {}
+        # storage key -> the regions holding or keeping it (NOTE [the cap's count]).
+        self._holders: dict[StorageKey, list[_Entry]] = {}
+        self.now_bytes = 0
+        self.model_output_bytes = 0
+        self.largest_bytes = 0
+        self._peak_at = -1
+        self.order = order
+        params = [p for p in model.parameters()]
+        self.gradient_bytes = sum(
+            p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None
+        )
+        self._external = {storage_key(t) for t in (*params, *model.buffers(), *given)}
+        self.cuda = next((p.device for p in params if p.device.type == "cuda"), None)
+        self.cuda_start = torch.cuda.memory_allocated(self.cuda) if self.cuda is not None else 0
+        # NOTE [the cap's count]: buffers as they were, put back if the cap cannot hold.
+        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        for _, copy in self._buffers:
+            self._hold(copy)
+
+    # -- the running count ----------------------------------------------------
+    def _hold(self, t: torch.Tensor) -> None:
+        s = storage_of(t)
+        if s is None:
+            return
+        self._add(storage_key(t), s.nbytes())
+
+    def _add(self, key: StorageKey, nbytes: int) -> None:
+        if key in self._external:
+            return
+        record = self._live.get(key)
+        if record is None:
+            self._live[key] = [nbytes, 1]
+            self.now_bytes += nbytes
+        else:
+            record[1] += 1
+
+    def _remove(self, key: StorageKey) -> None:
+        record = self._live.get(key)
+        if record is None:
+            return
+        record[1] -= 1
+        if record[1] == 0:
+            del self._live[key]
+            self._holders.pop(key, None)
+            self.now_bytes -= record[0]
+
+    def saved_outside(self, t: torch.Tensor) -> None:
+        """Count a tensor autograd saves in the model's forward outside every region."""
+        s = storage_of(t)
+        if s is None:
+            return
+        key = storage_key(t)
+        if key not in self._outside:
+            self._outside[key] = s.nbytes()
+            self._add(key, s.nbytes())
+
+    # -- regions --------------------------------------------------------------
+    def enter(self, name: str) -> _Entry:
+        entry = _Entry(name, self.running[-1] if self.running else None)
+        entry.index = len(self.entries)
+        if entry.parent is not None:
+            entry.parent.children.append(entry)
+        self.entries.append(entry)
+        self.running.append(entry)
+        return entry
+
+    def leave(self, entry: _Entry, region: DroppableRegion | None, out: Any, cost_s: float) -> None:
+        """Count a region that returned (``region`` None: it raised), then keep to the cap."""
+        self.running.pop()
+        if region is None:
+            return  # it holds nothing; it stays, never done, so indices stay positions
+        entry.ref = weakref.ref(region)
+        entry.end = self.boundaries + 1  # the boundary `settle` counts below
+        entry.cost_s = cost_s
+        entry.done = True
+        for key, nbytes in region.held_bytes.items():
+            self._add(key, nbytes)
+            self._holders.setdefault(key, []).append(entry)
+            entry.keys.append(key)
+        for key, nbytes in region.kept_bytes.items():
+            self._add(key, nbytes)  # inputs: they stay while the region lives
+            self._holders.setdefault(key, []).append(entry)
+        entry.size = sum(region.held_bytes.values())
+        entry.leaf = not entry.children
+        entry.last = len(self.entries) - 1
+        entry.largest = max(region.held_bytes.values(), default=0)
+        entry.out = _tensor_bytes(out)
+        self.largest_bytes = max(self.largest_bytes, entry.largest)
+        self.learned[entry.name] = (entry.size, self.input_elements, entry.leaf)
+        # A region run without the model's forward: any boundary may be the last.
+        self.settle(entry.name, last=not self.rooted)
+
+    def model_returned(self, out: Any) -> None:
+        self.model_output_bytes = _tensor_bytes(out)
+        self.settle("the end of the model's forward", last=True)
+        self.closed = True
+
+    # -- the cap --------------------------------------------------------------
+    def _forward_reserve(self) -> int:
+        """What the next region's forward may add (NOTE [the cap's count]): its held
+        bytes, and the largest storage once more, made and not (yet) saved."""
+        return self._next_bytes() + self.largest_bytes + self.extra_bytes
+
+    def _backward(self, now: int) -> tuple[int, int]:
+        """Backward's estimated peak, and the entry (index) where it falls.
+
+        NOTE [the cap's count]: backward meets the regions in reverse order and
+        frees what each held once through it; at a region with none inside it holds
+        what the regions up to it hold (the evicted ones around it rebuilt), its own
+        working memory (two gradients of its largest tensor or output, of an op's
+        output and input at once), and throughout what no
+        region holds, all the gradients and the model's output once more.
+        """
+        entries = self.entries
+        # Each storage is freed once backward is through the first region (in the
+        # forward's order) that holds or keeps it.
+        owned = [0] * len(entries)
+        for key, holders in self._holders.items():
+            if holders and (record := self._live.get(key)) is not None:
+                owned[min(e.index for e in holders)] += record[0]
+        fixed = max(0, now - sum(owned)) + self.gradient_bytes + self.model_output_bytes
+        fixed += self.extra_bytes
+        peak, where, running = fixed, -1, 0
+        for i, entry in enumerate(entries):
+            running += owned[i]
+            if not entry.done:
+                continue
+            dropped = _dropped(entry)
+            if not entry.leaf:
+                continue
+            rebuilt = entry.size if dropped else 0
+            outer = entry.parent
+            while outer is not None:
+                if outer.done and _dropped(outer):
+                    rebuilt += outer.size
+                outer = outer.parent
+            term = fixed + running + rebuilt + 2 * max(entry.largest, entry.out)
+            if term > peak:
+                peak, where = term, i
+        return peak, where
+
+    def _next_bytes(self) -> int:
+        """What the next regions' forward may hold: the latest region with none inside,
+        or, where the last step ran regions in this order, the next few as learned
+        then, scaled by the input size."""
+        latest = next((e.size for e in reversed(self.entries) if e.done and e.leaf), 0)
+        done = len(self.entries)
+        for name in self.order[done : done + _AHEAD]:
+            size, elements, leaf = self.learned.get(name, (0, 1, False))
+            if leaf:
+                latest = max(latest, size * self.input_elements // max(elements, 1))
+        return latest
+
+    def estimate_bytes(self, last: bool) -> int:
+        """The step's estimated peak from here on; at the forward's end, backward's."""
+        if self.cuda is not None:
+            now = torch.cuda.memory_allocated(self.cuda) - self.cuda_start
+        else:
+            now = self.now_bytes
+        if not last:
+            return now + self._forward_reserve()
+        peak, self._peak_at = self._backward(now)
+        return max(now, peak)
+
+    def settle(self, where: str, *, last: bool) -> None:
+        """Evict regions while the estimate passes the cap (NOTE [eviction order])."""
+        self.boundaries += 1
+        estimate = self.estimate_bytes(last)
+        while estimate > self.budget_bytes:
+            victim = self._pick(last)
+            if victim is None:
+                self._put_back_buffers()
+                raise ForgetError(
+                    f"forget: the cap of {self.budget_bytes:,} B cannot hold this step: at "
+                    f"{where}, with every region it could evict evicted, the step needs at "
+                    f"least {estimate:,} B (held now and kept in reserve for gradients and "
+                    "backward's re-runs, NOTE [the cap's count]). Raise the cap to at least "
+                    "that (handle.set_budget), or give the step smaller inputs. The model's "
+                    "parameters and buffers are as they were before this step."
+                )
+            self._evict(victim)
+            estimate = self.estimate_bytes(last)
+        self.estimated_peak_bytes = max(self.estimated_peak_bytes, estimate)
+
+    def _evictable(self) -> Iterator[_Entry]:
+        for entry in self.entries:
+            if not entry.done or entry.ref is None:
+                continue
+            region = entry.ref()
+            if region is None or region.dropped:
+                continue
+            if all(_dropped(child) for child in entry.children):
+                yield entry
+
+    def _pick(self, last: bool) -> _Entry | None:
+        best, best_score = None, 0.0
+        for entry in self._evictable():
+            freed = sum(self._live[k][0] for k in entry.keys if self._live.get(k, (0, 0))[1] == 1)
+            # At the forward's end, evicting it must lower backward's peak: only what
+            # backward meets before its span holds less (its span holds it rebuilt).
+            if freed == 0 or (last and self._peak_at <= entry.last):
+                continue
+            staleness = self.boundaries - entry.end + 1
+            # DTR's h = cost / (bytes * staleness), smallest first (NOTE [eviction order]).
+            score = freed * staleness / max(entry.cost_s, 1e-9)
+            if best is None or score > best_score:
+                best, best_score = entry, score
+        return best
+
+    def _evict(self, entry: _Entry) -> None:
+        assert entry.ref is not None
+        region = entry.ref()
+        assert region is not None
+        region.drop()
+        for key in entry.keys:
+            self._remove(key)
+            holders = self._holders.get(key)
+            if holders is not None and entry in holders:
+                holders.remove(entry)
+        self.evicted.append(entry.name)
+
+    def _put_back_buffers(self) -> None:
+        with torch.no_grad():
+            for buffer, copy in self._buffers:
+                buffer.copy_(copy)
+
+    def report(self) -> StepReport:
+        return StepReport(
+            regions=tuple(e.name for e in self.entries),
+            evicted=tuple(self.evicted),
+            estimated_peak_bytes=self.estimated_peak_bytes,
+            budget_bytes=self.budget_bytes,
+        )
+
+
+def _dropped(entry: _Entry) -> bool:
+    region = entry.ref() if entry.ref is not None else None
+    return region is None or region.dropped
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors in ``tree``: tuples, lists and dicts walked (a Hugging Face
+    ``ModelOutput`` is a dict)."""
+    found, todo = [], [tree]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, tuple | list):
+            todo.extend(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+    return found
+
+
+def _tensor_bytes(out: Any) -> int:
+    """Bytes of the distinct storages of the tensors in ``out``."""
+    seen: dict[StorageKey, int] = {}
+    for t in tensors_in(out):
+        if (s := storage_of(t)) is not None:
+            seen[storage_key(t)] = s.nbytes()
+    return sum(seen.values())

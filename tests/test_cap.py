@@ -1,0 +1,248 @@
+"""forget.cap: every step under a memory cap, with no plan; differential against plain steps."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import forget
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.norm = nn.BatchNorm1d(4 * width)
+        self.drop = nn.Dropout(0.2)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.drop(torch.relu(self.norm(self.up(x)))))
+
+
+class Net(nn.Module):
+    """Candidates by default: stem, body, body.0 .. body.3, head (body nests the blocks)."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, width))
+        self.body = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().train()
+
+
+def _x(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch))
+
+
+def _step(net: nn.Module, x: torch.Tensor, seed: int = 5) -> None:
+    net.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    net(x).square().mean().backward()
+
+
+def _state(net: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    return grads, {n: b.clone() for n, b in net.named_buffers()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _plain_peak(batch: int) -> int:
+    net = _net()
+    return forget.measure(_step, net, _x(batch)).peak_bytes
+
+
+BATCHES = (16, 64, 32)
+
+
+@pytest.mark.parametrize("share", [10.0, 0.9, 0.8], ids=["never-reached", "0.9", "0.8"])
+def test_grads_buffers_and_reruns_match_plain_on_varying_shapes(share: float) -> None:
+    plain, capped = _net(), _net()
+    budget = int(share * _plain_peak(max(BATCHES)))
+    handle = forget.cap(capped, budget)
+    calls: dict[str, int] = {}
+    for name, module in capped.named_modules():
+        if name.startswith("body.") and name.count(".") == 1:
+            module.up.register_forward_hook(
+                lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1)
+            )
+    evicted = 0
+    for batch in BATCHES:
+        calls.clear()
+        _step(plain, _x(batch))
+        _step(capped, _x(batch))
+        assert _equal(_state(plain)[0], _state(capped)[0])  # bitwise, dropout replayed
+        assert _equal(_state(plain)[1], _state(capped)[1])  # BatchNorm statistics once
+        report = handle.last_step
+        assert report is not None and len(report.regions) == 7
+        assert "body" not in report.evicted  # it holds the blocks' inputs: never worth it
+        # Counted re-runs: each evicted block runs once more, in backward; no other does.
+        assert calls == {f"body.{i}": 1 + (f"body.{i}" in report.evicted) for i in range(4)}
+        evicted += len(report.evicted)
+    assert (evicted == 0) == (share > 1)
+
+
+@pytest.mark.parametrize("share", [0.8], ids=["0.8"])
+def test_every_step_within_the_cap_by_the_ledger(share: float) -> None:
+    net = _net()
+    budget = int(share * _plain_peak(max(BATCHES)))
+    handle = forget.cap(net, budget)
+    for batch in BATCHES:  # the first step too: nothing learned before it
+        peak = forget.measure(_step, net, _x(batch)).peak_bytes
+        assert peak <= budget, (batch, peak, budget, handle.last_step)
+    assert any(report.evicted for report in handle.steps)
+
+
+def test_a_large_last_region_is_within_the_cap_by_the_ledger() -> None:
+    # Backward starts in the head, at its peak, re-running it if it was evicted: its
+    # working memory (two gradients of its 1024-wide activation) must be in the estimate.
+    def make() -> Net:
+        torch.manual_seed(0)
+        net = Net(depth=6)
+        net.head = nn.Sequential(nn.Linear(16, 1024), nn.ReLU(), nn.Linear(1024, 4))
+        return net.train()
+
+    plain, net = make(), make()
+    budget = int(0.8 * forget.measure(_step, make(), _x(64)).peak_bytes)
+    handle = forget.cap(net, budget)
+    assert forget.measure(_step, net, _x(64)).peak_bytes <= budget
+    _step(plain, _x(64))
+    assert handle.last_step is not None and handle.last_step.evicted
+    assert _equal(_state(plain)[0], _state(net)[0])
+
+
+def test_a_cap_that_cannot_hold_raises_and_leaves_the_model_as_it_was() -> None:
+    plain, net = _net(), _net()
+    before = copy.deepcopy(net.state_dict())
+    handle = forget.cap(net, 20_000)
+    with pytest.raises(
+        forget.ForgetError, match=r"cap of 20,000 B cannot hold .* at least"
+    ) as error:
+        _step(net, _x(64))
+    least = int(str(error.value).split("at least ")[1].split(" B")[0].replace(",", ""))
+    assert least > 20_000
+    assert _equal(before, net.state_dict())  # BatchNorm statistics put back
+    assert all(p.grad is None for p in net.parameters())
+    handle.set_budget(10**9)  # a later step with a higher cap works
+    _step(plain, _x(64))
+    _step(net, _x(64))
+    assert _equal(_state(plain)[0], _state(net)[0])
+    assert _equal(_state(plain)[1], _state(net)[1])
+
+
+def test_remove_puts_every_forward_back() -> None:
+    net = _net()
+    own = net.head.forward
+    net.head.forward = own  # an instance forward set before the cap is kept
+    handle = forget.cap(net, "1MiB")
+    assert all("forward" in m.__dict__ for m in (net, net.stem, net.body, net.body[0]))
+    assert handle.remove() is net
+    assert net.head.__dict__["forward"] is own
+    assert not any("forward" in m.__dict__ for m in net.modules() if m is not net.head)
+    forget.cap(net, "1MiB").remove()  # capping again after a remove works
+
+
+def test_regions_under_no_grad_just_run() -> None:
+    net = _net().eval()
+    handle = forget.cap(net, 1_000)  # far too little for a step, nothing for inference
+    with torch.no_grad():
+        assert torch.equal(net(_x(4)), _net().eval()(_x(4)))
+    assert handle.last_step is None
+
+
+@pytest.mark.parametrize(
+    ("budget", "error", "match"),
+    [
+        ("lots", ValueError, "cannot read the budget"),
+        ("50%", ValueError, "share of the device's free memory"),
+        ("free", ValueError, "give bytes"),
+        (0.5, ValueError, "give bytes"),
+        (-3, ValueError, "must be positive"),
+        (True, TypeError, "not a bool"),
+    ],
+    ids=["no-size", "percent-on-cpu", "free-on-cpu", "fraction-on-cpu", "negative", "bool"],
+)
+def test_bad_budgets(budget: Any, error: type[Exception], match: str) -> None:
+    net = _net()
+    with pytest.raises(error, match=match):
+        forget.cap(net, budget)
+    assert not any("forward" in m.__dict__ for m in net.modules())
+
+
+def test_bad_models() -> None:
+    with pytest.raises(TypeError, match=r"takes an nn.Module"):
+        forget.cap(lambda x: x, 1000)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="candidates="):
+        forget.cap(nn.Linear(2, 2), 1000)
+    with pytest.raises(ValueError, match="matches no submodule"):
+        forget.cap(_net(), 1000, candidates="*.nothing")
+
+
+def test_one_cap_per_model_and_none_over_a_plan() -> None:
+    from forget.planning._tree_apply import wrap
+
+    net = _net()
+    handle = forget.cap(net, "1MiB")
+    with pytest.raises(forget.ForgetError, match="runs under a cap already"):
+        forget.cap(net, "2MiB")
+    assert handle.budget_bytes == 1024**2
+    handle.remove()
+    wrap(net.body[1], "forget", None)  # as a tree plan's apply leaves it
+    with pytest.raises(forget.ForgetError, match="runs under a forget plan"):
+        forget.cap(net, "1MiB")
+    assert not any("forward" in m.__dict__ for m in net.modules() if m is not net.body[1])
+
+
+def test_candidates_choose_the_regions() -> None:
+    net = _net()
+    handle = forget.cap(net, 10**9, candidates=Block)
+    _step(net, _x(16))
+    assert handle.last_step is not None
+    assert handle.last_step.regions == ("body.0", "body.1", "body.2", "body.3")
+
+
+def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
+    tf = pytest.importorskip("transformers")
+    from forget.integrations import transformers as forget_hf
+
+    config = tf.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = tf.GPT2LMHeadModel(config).train()
+    model = copy.deepcopy(plain)
+    big = torch.zeros(2, 48, dtype=torch.long)
+    peak = forget.measure(lambda: plain(input_ids=big, labels=big).loss.backward()).peak_bytes
+    forget_hf.enable(model, cap=int(0.8 * peak))
+    model.activation_checkpointing_enable({"use_reentrant": False})  # as Trainer does
+    handle = forget_hf.cap_of(model)
+    assert handle is not None and forget_hf.is_enabled(model)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    for tokens in (16, 48, 32):  # shapes vary; nothing planned
+        ids = torch.randint(0, 64, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+        for net in (plain, model):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            net(input_ids=ids, labels=ids).loss.backward()
+        assert _equal(_state(plain)[0], _state(model)[0])  # dropout replayed
+    assert any(report.evicted for report in handle.steps)
+    with pytest.raises(TypeError, match="do not go with cap="):
+        forget_hf.enable(model, cap="1MB", budget="1MB")
+    forget_hf.disable(model)
+    assert forget_hf.cap_of(model) is None
+    assert not any("forward" in m.__dict__ for m in model.modules())
