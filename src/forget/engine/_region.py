@@ -67,6 +67,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
 from ._debug import OpTrace
+from ._hooks import region_hooks
 from ._local import _packers, hidden
 from ._offload import Offloaded, fetch_kept, offload, offload_kept, warn_cpu_once
 from ._regenerate import mark_outputs, rerun_pack, resolve
@@ -264,7 +265,7 @@ class Region:
         _packers.trackers.append(tracker)
         try:
             with (
-                torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
+                region_hooks(self._pack, _unpack),
                 tracker,
                 self._trace.recording_forward() if self._trace is not None else nullcontext(),
             ):
@@ -319,7 +320,7 @@ class Region:
         _packers.stack.append(self._pack)
         _packers.trackers.append(fast)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            with region_hooks(self._pack, _unpack):
                 out = self.func(*args, **kwargs)
         finally:
             _packers.stack.pop()
@@ -475,7 +476,7 @@ class Region:
                 self._autocast.replayed(),
                 default_device_replayed(self._default_device),
                 extra,
-                torch.autograd.graph.saved_tensors_hooks(collect, resolve),
+                region_hooks(collect, resolve),
                 tracker if tracker is not None else put_back,
                 self._trace.recording_rerun() if self._trace is not None else nullcontext(),
             ):
