@@ -12,7 +12,9 @@ listed in docs/torch_checkpoint.md. Written from the intent of torch's tests, no
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import weakref
 
 import pytest
@@ -1071,3 +1073,112 @@ def test_sac_can_only_trigger_recompute_once():
         out.backward()
 
     _raises_same(scenario)
+
+
+# --- torch 2.14's respect_saved_tensors_hooks (NOTE [respect saved-tensor hooks]) -----
+
+# Whether this torch's checkpoint takes the argument (2.14 and later): found from its
+# signature, as a user would. CI's torch (2.13) does not; docs/torch_checkpoint.md says
+# how the suite is run by hand on a newer one.
+ROUTES = "respect_saved_tensors_hooks" in inspect.signature(tc.checkpoint).parameters
+FLAGS = {"unset": None, "False": False, "True": True}
+
+
+def _sac_under_hooks(ck, flag):
+    """``_mm_chain`` under SAC (mm kept) inside counting saved-tensor hooks.
+
+    Returns how many tensors other than the inputs went through the user's pack (the
+    two mm outputs SAC keeps, when it routes them), whether every packed tensor was
+    unpacked, and the gradients. A checkpoint's inputs are left out of the count:
+    torch saves them through the user's hooks, forget keeps them itself.
+    """
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    inputs = {x.data_ptr(), w.data_ptr()}
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.data_ptr())
+        return t
+
+    def unpack(t):
+        unpacked.append(t.data_ptr())
+        return t
+
+    extra = {} if flag is None else {"respect_saved_tensors_hooks": flag}
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = ck(_mm_chain, x, w, context_fn=_sac(_save_mm), **extra)
+    out.sum().backward()
+    routed = [p for p in packed if p not in inputs]
+    return (
+        len(routed),
+        sorted(routed) == sorted(p for p in unpacked if p not in inputs),
+        _grads(x, w),
+    )
+
+
+@pytest.mark.parametrize("flag", FLAGS.values(), ids=FLAGS.keys())
+def test_sac_respect_saved_tensors_hooks(flag):
+    if ROUTES:
+        # As torch: unset warns that the default will change; True routes SAC's cache
+        # through the hooks, False and unset do not.
+        with pytest.warns(FutureWarning) if flag is None else contextlib.nullcontext():
+            routed, balanced, _ = _differential(lambda ck: _sac_under_hooks(ck, flag))
+        assert routed == (2 if flag else 0) and balanced
+        return
+    if flag:
+        # A torch whose SAC cannot route: raises rather than keep what the hooks
+        # should have moved off the device.
+        with pytest.raises(ValueError, match="respect_saved_tensors_hooks=True"):
+            _sac_under_hooks(FORGET, flag)
+        return
+    # This torch never routes, and takes no such argument: forget with the flag does
+    # what torch does without it.
+    results = {}
+    for name, ck in {"torch": TORCH, "forget": FORGET}.items():
+        torch.manual_seed(0)
+        results[name] = _sac_under_hooks(ck, None if name == "torch" else flag)
+    _assert_same(results["torch"], results["forget"])
+    assert results["forget"][:2] == (0, True)
+
+
+@pytest.mark.parametrize("flag", FLAGS.values(), ids=FLAGS.keys())
+def test_respect_saved_tensors_hooks_never_reaches_the_function(flag):
+    seen = []
+
+    def fn(a, **kwargs):
+        seen.append(kwargs)
+        return a.sin().exp()  # exp saves its output: re-run in backward
+
+    x = torch.randn(3, requires_grad=True)
+    forget.checkpoint(fn, x, respect_saved_tensors_hooks=flag, scale=2).sum().backward()
+    assert seen == [{"scale": 2}] * 2  # the forward and the re-run
+
+
+@pytest.mark.parametrize(
+    "policy", [forget.policies.save_everything, True], ids=["save_everything", "True"]
+)
+def test_respect_saved_tensors_hooks_with_a_keeping_policy_raises(policy):
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="held by forget"):
+        forget.checkpoint(torch.sin, x, policy=policy, respect_saved_tensors_hooks=True)
+    # Unset or False: what forget's policies do anyway; and a policy keeping nothing.
+    for flag, kept in [(None, policy), (False, policy), (True, None), (True, False)]:
+        out = forget.checkpoint(torch.sin, x, policy=kept, respect_saved_tensors_hooks=flag)
+        assert torch.equal(out, x.sin())
+
+
+def _sac_in(outer, x):
+    """torch's SAC checkpoint of ``_mm_chain``, run inside a region of ``outer``."""
+    return outer(lambda a: TORCH(_mm_chain, a, a, context_fn=_sac(_save_mm)).exp(), x)
+
+
+# NOTE [checkpoint-internal hooks]: forget's own hooks are not the user's.
+def test_sac_inside_a_forget_region_sees_no_user_hooks():
+    def scenario(outer):
+        x = torch.randn(4, 4, requires_grad=True)
+        _sac_in(outer, x).sum().backward()
+        return x.grad
+
+    # No hooks around: nothing to warn about (warnings are errors here), inside a
+    # region of torch's or of forget's.
+    _differential(scenario)

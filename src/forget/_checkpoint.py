@@ -36,6 +36,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     policy: Policy | bool | None = None,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` keeping no activations; recompute them in backward.
@@ -72,6 +73,14 @@ def checkpoint(
         policy: which op outputs to keep, recompute or offload (`forget.policies`);
             ``None``/``False`` keep nothing, ``True`` keeps everything. A keyword
             ``policy`` therefore never reaches ``function``.
+        respect_saved_tensors_hooks: whether the outputs torch's selective
+            checkpoint (``context_fn`` from ``create_selective_checkpoint_contexts``)
+            keeps go through the ``saved_tensors_hooks`` around the call (such as
+            ``save_on_cpu``), as in torch 2.14: ``None`` keeps them outside the
+            hooks, and torch warns (``FutureWarning``) when hooks are there;
+            ``False`` keeps them outside, silently; ``True`` packs them through the
+            hooks. No effect without torch's selective checkpoint (NOTE [respect
+            saved-tensor hooks]). Never reaches ``function``.
         **kwargs: keyword arguments of ``function``.
 
     Returns:
@@ -79,7 +88,10 @@ def checkpoint(
 
     Raises:
         TypeError: ``function`` is not callable.
-        ValueError: an unknown ``determinism_check``.
+        ValueError: an unknown ``determinism_check``;
+            ``respect_saved_tensors_hooks=True`` with a ``policy`` that keeps
+            outputs, or with torch's selective checkpoint on a torch older than
+            2.14, which cannot route what it keeps through the hooks.
         ForgetError: see `forget.forget`.
 
     Example:
@@ -105,6 +117,15 @@ def checkpoint(
             UserWarning,
             stacklevel=2,
         )
+    if respect_saved_tensors_hooks and policy is not None and not _keeps_nothing(policy):
+        raise ValueError(
+            "forget: respect_saved_tensors_hooks=True routes what torch's selective "
+            "checkpoint (context_fn) keeps through the saved_tensors_hooks around the call, "
+            f"but the outputs policy={policy!r} keeps are held by forget and never go "
+            "through those hooks (NOTE [respect saved-tensor hooks]). Pass "
+            "respect_saved_tensors_hooks=None (or False), or select the ops with torch's "
+            "create_selective_checkpoint_contexts as context_fn instead of policy=."
+        )
     if torch.compiler.is_compiling() and torch.is_grad_enabled():  # NOTE [compile], engine
         return compiled_region(
             function,
@@ -125,9 +146,53 @@ def checkpoint(
     if context_fn is None:
         return run_region(function, args, kwargs, **options)
     forward_context, recompute_context = context_fn()
+    _tell_selective_checkpoint(forward_context, respect_saved_tensors_hooks)
     with forward_context:
         return run_region(
             function, args, kwargs, recompute_context=lambda: recompute_context, **options
+        )
+
+
+def _keeps_nothing(policy: Policy | bool) -> bool:
+    converted = as_policy(policy)
+    return converted is None or converted.saves_nothing
+
+
+def _tell_selective_checkpoint(forward_context: Any, respect: bool | None) -> None:
+    """Hand ``respect_saved_tensors_hooks`` to torch's selective checkpoint, as torch does.
+
+    NOTE [respect saved-tensor hooks]: torch's selective checkpoint (SAC) keeps the
+    outputs its policy saves in a cache of its own, outside autograd's saved
+    tensors, and so outside any ``saved_tensors_hooks`` (``save_on_cpu``) around the
+    call. torch 2.14 added ``respect_saved_tensors_hooks`` to its checkpoint, which
+    sets it on SAC's forward context (its caching dispatch mode): ``True`` packs the
+    cache through the hooks, ``False`` keeps the old way, ``None`` keeps the old way
+    and warns (``FutureWarning``) when hooks are around, since the default will
+    change. forget sets it on the same context, so ``forget.checkpoint`` behaves as
+    torch's checkpoint under both torches; its own hooks are not taken for the
+    user's (NOTE [checkpoint-internal hooks], in the engine). Found by attribute,
+    not version: a torch whose caching mode has none (before 2.14) keeps the cache
+    outside the hooks whatever is passed, so ``None`` and ``False`` are what it
+    does anyway, and ``True``, which it cannot do, raises rather than hold on the
+    device what the user meant to move off it. The outputs forget's own ``policy=``
+    keeps are forget's, held outside the hooks under every setting (``True`` with a
+    policy that keeps outputs raises, for the same reason). Under ``torch.compile``
+    torch's checkpoint ignores the setting (the cache is a tracing artifact), and so
+    does forget's compiled path.
+    """
+    caching = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+    if caching is None or not isinstance(forward_context, caching):
+        return  # not torch's selective checkpoint: it keeps nothing outside autograd
+    if hasattr(forward_context, "respect_saved_tensors_hooks"):
+        forward_context.respect_saved_tensors_hooks = respect
+    elif respect:
+        raise ValueError(
+            "forget: respect_saved_tensors_hooks=True asks torch's selective checkpoint "
+            "(context_fn) to pack what it keeps through the saved_tensors_hooks around "
+            f"the call, which torch {torch.__version__} cannot do: its selective "
+            "checkpoint keeps its cache outside every hook (torch 2.14 added the choice). "
+            "Install torch 2.14 or later, or pass respect_saved_tensors_hooks=None (or "
+            "False), what this torch does anyway."
         )
 
 

@@ -10,7 +10,9 @@
 - `_offload`, `_regenerate`: saved tensors moved to the host, or rebuilt.
 - `_debug`: ``debug=True``'s op traces of forward and re-run (NOTE [debug trace]).
 - `_sites`: call sites learned once, then run on hooks alone (NOTE [fast path]).
-- `_slots`: what autograd holds in place of a saved tensor.
+- `_slots`: what autograd holds in place of a saved tensor; `_hooks`: the region's
+  saved-tensor hooks, which torch's selective checkpoint sees through (NOTE
+  [checkpoint-internal hooks]).
 - `_droppable`: a region keeping what it saves in slots a runtime empties
   (NOTE [droppable regions]; `forget.cap`).
 - `_storage`: storage identity; `_in_turn`: callables run in turn;

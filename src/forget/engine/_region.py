@@ -81,6 +81,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
 from ._debug import OpTrace
+from ._hooks import region_hooks
 from ._local import _packers, hidden
 from ._offload import Offloaded, fetch_kept, offload, offload_kept, warn_cpu_once
 from ._regenerate import mark_outputs, rerun_pack, resolve
@@ -281,7 +282,7 @@ class Region:
         self._in_forward = True
         try:
             with (
-                torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack),
+                region_hooks(self._pack, _unpack),
                 tracker,
                 self._trace.recording_forward() if self._trace is not None else nullcontext(),
             ):
@@ -338,7 +339,7 @@ class Region:
         _packers.trackers.append(fast)
         self._in_forward = True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            with region_hooks(self._pack, _unpack):
                 out = self.func(*args, **kwargs)
         finally:
             _packers.stack.pop()
@@ -495,7 +496,7 @@ class Region:
                 self._autocast.replayed(),
                 default_device_replayed(self._default_device),
                 extra,
-                torch.autograd.graph.saved_tensors_hooks(collect, resolve),
+                region_hooks(collect, resolve),
                 tracker if tracker is not None else put_back,
                 self._trace.recording_rerun() if self._trace is not None else nullcontext(),
             ):
