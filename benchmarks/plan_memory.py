@@ -6,9 +6,11 @@
 Measured independently of the planner's own probes, by the operating system:
 each call runs in a fresh child process (this script, run again with
 ``--child``), which builds the model and batch (seeded, from transformers
-configs, no downloads), collects garbage, resets its resident-set high-water
-mark (Linux: ``5`` written to ``/proc/self/clear_refs``) and reads ``VmRSS``
-and ``VmHWM`` from ``/proc/self/status`` before and after the call. The rise
+configs, no downloads), runs one plain step on a sliver of the batch
+(`warm_up`: the process's one-time costs), collects garbage, resets its
+resident-set high-water mark (Linux: ``5`` written to
+``/proc/self/clear_refs``) and reads ``VmRSS`` and ``VmHWM`` from
+``/proc/self/status`` before and after the call. The rise
 of ``VmHWM`` is the call's memory: what it made the process take from the
 system beyond what it held at the reset (memory the allocator already holds,
 freed, is reused without a rise). The calls, per model:
@@ -251,6 +253,7 @@ def child(call: str, name: str, quick: bool, budget_bytes: int, path: str) -> di
         model.zero_grad(set_to_none=True)
         model(**batch).loss.backward()
 
+    warm_up(model, batch)
     if call == "plain":
         before = _reset()
         step()
@@ -302,6 +305,19 @@ def child(call: str, name: str, quick: bool, budget_bytes: int, path: str) -> di
         "search_s": search_s,
         **({"error": error} if error else {}),
     }
+
+
+def warm_up(model: Any, batch: dict[str, Any]) -> None:
+    """One plain step on a sliver of the batch: one sample, 16 tokens.
+
+    The first step of a process initialises what every later one reuses
+    (thread pools, the autograd engine, kernel caches): tens of MB of resident
+    memory on these models, which would otherwise be charged to whichever call
+    comes first, and would swamp the small models' budgets.
+    """
+    sliver = {k: v[:1, :16] if v.dim() == 2 else v[:1] for k, v in batch.items()}
+    model(**sliver).loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 def build(name: str, quick: bool) -> tuple[Any, dict[str, Any]]:
