@@ -22,6 +22,17 @@ plan is never slower than a fitting uniform segmentation, up to timing
 noise. A returned plan has ``measured_peak_bytes <= budget_bytes`` by
 construction, for the inputs it was planned with.
 
+NOTE [chain planning within the budget]: as for module trees (NOTE [planning
+within the budget] in `._tree_planner`), the plain step never runs and every
+step measured runs under the guard (NOTE [guarded steps]) with the budget as
+its limit. The chain's figures come from each block alone on its input
+(`profile_chain`); what the step holds outside the chain model (a stem, a
+head, the loss) is learned, once, from the least-memory schedule's step, run
+under the budget (a share of the chain model's own plain peak, where the
+budget is a share: no more than the budget the share turns out to be). The
+plain peak is then predicted: the chain model's, plus that. A budget at or
+above it measures the plain step, guarded; a stopped schedule is a miss.
+
 NOTE [the last segment]: a top-level region that ends the chain is re-run as
 soon as backward starts, so its activations are back at the very moment they
 would have been kept until: forgetting it buys no memory at the peak and
@@ -51,6 +62,7 @@ plans its budgets from the smallest up for this reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -58,8 +70,9 @@ from torch import Tensor, nn
 
 from .. import schedules as P
 from ..errors import BudgetInfeasibleError
-from ..memory import frozen_heap, measure
+from ..memory import frozen_heap
 from ..policies import Policy
+from ._guard import guarded_peak
 from ._plan import Plan, run_items
 from ._profile import _check_options, profile_chain
 from ._targets import Block, LossFn, _Target, _target, untouched, zero_grads
@@ -84,21 +97,39 @@ _MAX_UNIFORM_TRIALS = 16
 
 
 class _Trials:
-    """Measured peaks of candidate schedules, each schedule measured once."""
+    """Measured peaks of candidate schedules, each schedule measured once.
+
+    Every step runs under the guard (NOTE [guarded steps]) with ``limit_bytes``,
+    the budget being planned: a stopped step's peak is the bound it passed,
+    measured again under a higher limit.
+    """
 
     def __init__(self, target: _Target, policies: Mapping[str, Policy]) -> None:
         self.target = target
         self.policies = policies
         self.peaks: dict[tuple[P.Keep | P.Region, ...], int] = {}
+        self.stopped: dict[tuple[P.Keep | P.Region, ...], int] = {}
+        self.limit_bytes: int | None = None
 
     def peak(self, schedule: P.Schedule) -> int:
         key = schedule.items
-        if key not in self.peaks:
-            runner = run_items(schedule.items, self.target.blocks, self.policies)
-            with untouched(self.target):
-                zero_grads(self.target)
-                self.peaks[key] = measure(self.target.step, runner).peak_bytes
-        return self.peaks[key]
+        if key in self.peaks:
+            return self.peaks[key]
+        bound = self.stopped.get(key)
+        if bound is not None and self.limit_bytes is not None and bound > self.limit_bytes:
+            return bound
+        runner = run_items(schedule.items, self.target.blocks, self.policies)
+        with untouched(self.target):
+            zero_grads(self.target)
+            peak = guarded_peak(
+                functools.partial(self.target.step, runner), "ledger", self.limit_bytes
+            )
+        if peak.stopped:
+            self.stopped[key] = peak.bytes
+        else:
+            self.peaks[key] = peak.bytes
+            self.stopped.pop(key, None)
+        return peak.bytes
 
 
 @overload
@@ -309,8 +340,10 @@ class Planner:
         self.store_all = P.Schedule.from_items(
             chain, tuple(P.Keep(i) for i in range(n)), algorithm="store_all"
         )
-        self.plain_peak = self.trials.peak(self.store_all)
-        self.outside = self.plain_peak - self.store_all.predicted_peak_bytes
+        # NOTE [chain planning within the budget]: the plain step never runs; what the
+        # step holds outside the chain model is learned from the least-memory schedule.
+        self.least_schedule = P.solve(chain, P.min_feasible_bytes(chain))
+        self.outside: int | None = None
         # Baselines measured alongside the planner's own schedules: the plan is
         # never slower (predicted) than a fitting one of them. They are made on
         # the blocks (NOTE [finer stages]), as a user would cut the model.
@@ -420,10 +453,28 @@ class Planner:
 
         return candidates[fastest_of(time, len(candidates))]
 
+    @property
+    def plain_peak(self) -> int:
+        """The plain step's peak, predicted: the chain model's, plus what lies outside it."""
+        return self.store_all.predicted_peak_bytes + max(0, self.outside or 0)
+
+    def _learn_outside(self, limit_bytes: int) -> None:
+        """What the step holds beyond the chain model, from the least-memory schedule's step."""
+        self.trials.limit_bytes = limit_bytes
+        peak = self.trials.peak(self.least_schedule)
+        if self.least_schedule.items in self.trials.peaks:
+            self.outside = peak - self.least_schedule.predicted_peak_bytes
+
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
         chain, trials = self.chain, self.trials
+        if self.outside is None:
+            # A share is of the predicted plain peak, which needs what lies outside the
+            # chain model: learned under the share of the chain model's own (no more).
+            self._learn_outside(P.parse_budget(budget, self.store_all.predicted_peak_bytes))
         budget_bytes = P.parse_budget(budget, self.plain_peak)
+        trials.limit_bytes = budget_bytes
+        outside = self.outside or 0
         chain_min = P.min_feasible_bytes(chain, algorithm)
         least = P.solve(chain, chain_min, algorithm=algorithm)
         fitting: list[tuple[P.Schedule, int]] = []
@@ -433,20 +484,23 @@ class Planner:
             peaks.append(peak)
             if peak <= budget_bytes:
                 fitting.append((schedule, peak))
-        min_feasible = min(self.plain_peak, *peaks)
+        plain = trials.peaks.get(self.store_all.items)
+        min_feasible = min(peaks) if plain is None else min(plain, *peaks)
         if budget_bytes < min_feasible:
             raise BudgetInfeasibleError(
                 f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
-                f"{min_feasible:,} B (the least measured peak of any schedule tried; the "
-                f"plain step peaks at {self.plain_peak:,} B)",
+                f"{min_feasible:,} B (the least measured peak of any schedule tried, or the "
+                f"bound a step stopped at it passed; the plain step is predicted to peak at "
+                f"{self.plain_peak:,} B)",
                 budget_bytes=budget_bytes,
                 min_feasible_bytes=min_feasible,
             )
-        if budget_bytes >= self.plain_peak:
-            fitting = [(self.store_all, self.plain_peak)]
+        plain_fits = budget_bytes >= self.plain_peak and trials.peak(self.store_all) <= budget_bytes
+        if plain_fits:
+            fitting = [(self.store_all, trials.peak(self.store_all))]
         else:
             lo, hi = chain_min, self.store_all.predicted_peak_bytes
-            probe = min(max(budget_bytes - self.outside, lo), hi)
+            probe = min(max(budget_bytes - outside, lo), hi)
             for _ in range(_MAX_PROBES):
                 candidate = P.solve(chain, probe, algorithm=algorithm)
                 peak = trials.peak(candidate)
@@ -459,7 +513,7 @@ class Planner:
                     break
                 probe = (lo + hi) // 2
         fitting = [self._keep_last_segment(s, p, budget_bytes) for s, p in fitting]
-        if budget_bytes < self.plain_peak:
+        if not plain_fits:
             # NOTE [monotone in the budget]: earlier proposals that fit are candidates.
             fitting += [
                 (s, peak)
@@ -475,7 +529,7 @@ class Planner:
             chain=chain,
             budget_bytes=budget_bytes,
             measured_peak_bytes=best_peak,
-            predicted_peak_bytes=best.predicted_peak_bytes + self.outside,
+            predicted_peak_bytes=best.predicted_peak_bytes + outside,
             plain_peak_bytes=self.plain_peak,
             min_feasible_bytes=min_feasible,
             option_names=tuple(self.policies),
