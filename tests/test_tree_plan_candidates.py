@@ -157,16 +157,16 @@ def test_options_are_leaf_choices_measured_per_module():
 
 def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypatch):
     # NOTE [default options], NOTE [tree figures].
-    from forget.planning import _tree_profile
+    from forget.planning import _tree_alone
 
     measured: list[str] = []
-    real = _tree_profile._Alone.options
+    real = _tree_alone._Alone.option_bytes
 
-    def counted(self, policies, repeats):
+    def counted(self, policies):
         measured.append(self.forward.__self__.__class__.__name__)
-        return real(self, policies, repeats)
+        return real(self, policies)
 
-    monkeypatch.setattr(_tree_profile._Alone, "options", counted)
+    monkeypatch.setattr(_tree_alone._Alone, "option_bytes", counted)
     model, inputs = _net()
     candidates = [Block, "encoder", "encoder.norm", "head"]
     planner = TreePlanner(model, (), inputs, candidates=candidates, repeats=1)

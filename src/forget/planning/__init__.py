@@ -9,7 +9,8 @@
   saves and loads.
 - `_planner`: `plan` and the `Planner` behind it (NOTE [measured, not
   predicted]); a model that is no chain goes to the module-tree side:
-- `_tree_step`, `_tree_candidates`, `_tree_profile`: the step of any module,
+- `_tree_step`, `_tree_candidates`, `_tree_profile` (with `_tree_alone`, a
+  module alone on real inputs): the step of any module,
   its candidate regions (NOTE [tree candidates]) and their figures as a
   `forget.schedules.Tree` (NOTE [tree figures]); `_tree_apply`: regions as
   wrapped instance forwards (NOTE [instance forward]); `_tree_plan`:

@@ -17,7 +17,7 @@ from ..policies import Policy
 from ..schedules import format_bytes
 from ._json import SavedAsJson
 from ._profile import _check_options, _policy_region
-from ._targets import Block, _group, sub_stages
+from ._targets import Block, _group, is_chain_model, sub_stages
 
 # ---------------------------------------------------------------- applying
 
@@ -159,9 +159,7 @@ class Plan(SavedAsJson):
                 `forget.models` (sets its ``blocks_runner``; returns it), or a
                 list / ``nn.ModuleList`` of blocks (returns a callable).
         """
-        from ..models import BlockModel
-
-        if isinstance(model, BlockModel):
+        if is_chain_model(model):
             model.blocks_runner = self.runner(list(model.blocks))
             return model
         if isinstance(model, nn.Sequential):

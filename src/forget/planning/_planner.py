@@ -64,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 from torch import Tensor, nn
 
@@ -75,15 +75,21 @@ from ..policies import Policy
 from ._guard import guarded_peak
 from ._plan import Plan, run_items
 from ._profile import _check_options, profile_chain
-from ._targets import Block, LossFn, _Target, _target, untouched, zero_grads
+from ._targets import (
+    Block,
+    ChainModel,
+    LossFn,
+    _Target,
+    _target,
+    is_chain_model,
+    untouched,
+    zero_grads,
+)
 from ._timing import fastest_of, time_rounds
 from ._tree_candidates import CandidateSpec
 from ._tree_plan import TreePlan
 from ._tree_planner import plan_tree
 from ._tree_step import TreeLossFn
-
-if TYPE_CHECKING:
-    from ..models import BlockModel
 
 __all__ = ["Planner", "plan"]
 
@@ -134,7 +140,7 @@ class _Trials:
 
 @overload
 def plan(  # type: ignore[overload-overlap]  # a chain is a Module too; it comes first
-    model_or_blocks: nn.Sequential | nn.ModuleList | Sequence[Block] | BlockModel,
+    model_or_blocks: nn.Sequential | nn.ModuleList | Sequence[Block] | ChainModel,
     *sample_inputs: Any,
     budget: int | float | str | None = None,
     loss_fn: LossFn | None = None,
@@ -297,10 +303,10 @@ def plan(
 
 def _is_tree(model: object) -> bool:
     """Whether ``plan`` plans ``model`` as a module tree: a module that is no chain."""
-    from ..models import BlockModel
-
-    return isinstance(model, nn.Module) and not isinstance(
-        model, nn.Sequential | nn.ModuleList | BlockModel
+    return (
+        isinstance(model, nn.Module)
+        and not isinstance(model, nn.Sequential | nn.ModuleList)
+        and not is_chain_model(model)
     )
 
 

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
 from torch import Tensor, nn
@@ -242,12 +242,40 @@ def _target(
     return _split(target) if split else target
 
 
-def _whole_target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> _Target:
-    from ..models import BlockModel
+class ChainModel(Protocol):
+    """What planning reads of a chain model (NOTE [chain models])."""
 
+    blocks: nn.ModuleList
+    blocks_runner: Callable[[Tensor], Tensor] | None
+
+    def embed(self, x: Tensor) -> Tensor: ...
+
+    def step(self, x: Tensor, target: Tensor) -> Any: ...
+
+
+def is_chain_model(model: object) -> TypeGuard[ChainModel]:
+    """Whether ``model`` runs its blocks as a chain the planner may replace (NOTE [chain models]).
+
+    NOTE [chain models]: a module that runs ``stem -> blocks -> head`` and lets a
+    planned runner stand in for its loop over the blocks is planned as a chain:
+    it has ``blocks`` (an ``nn.ModuleList``), a ``blocks_runner`` attribute
+    (``None``: its own loop; else a callable running all blocks), and
+    ``embed(x)`` (the first block's input) and ``step(x, target)`` (one training
+    step) methods. The reference models of `forget.models` are such models;
+    planning knows them by these names alone, not by their class.
+    """
+    return (
+        isinstance(model, nn.Module)
+        and isinstance(getattr(model, "blocks", None), nn.ModuleList)
+        and hasattr(model, "blocks_runner")
+        and all(callable(getattr(model, name, None)) for name in ("embed", "step"))
+    )
+
+
+def _whole_target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> _Target:
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"forget: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if isinstance(model, BlockModel):
+    if is_chain_model(model):
         if len(inputs) != 2:
             raise TypeError(
                 "forget: plan of a reference model takes its sample (input, target), "
@@ -256,7 +284,8 @@ def _whole_target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None
         if loss_fn is not None:
             raise TypeError("forget: a reference model brings its own loss; drop loss_fn")
         blocks = list(model.blocks)
-        return _Target(blocks, [model], inputs, "block_model", model, None)
+        module = cast(nn.Module, model)
+        return _Target(blocks, [module], inputs, "block_model", model, None)
     if len(inputs) != 1:
         raise TypeError(
             f"forget: plan takes one sample input for the first block, got {len(inputs)}"

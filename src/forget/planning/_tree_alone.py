@@ -1,0 +1,250 @@
+"""A tree candidate alone on real inputs: captured, timed, its workspace and options measured.
+
+`forget.planning._tree_profile` takes a step's bytes from a run on fake tensors
+(NOTE [tree figures]); what needs real tensors is taken here, one kind of
+module at a time (`alone_figures`): its inputs, captured by a forward without
+grad stopped at it (`_capture`), its forward's time, the workspace its step
+takes beyond its storages, and its leaf options' bytes and times (`_Alone`).
+One module's inputs and work are live at once (NOTE [planning within the
+budget] in `._tree_planner`).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from ..engine import storage_of
+from ..memory import measure
+from ..policies import Policy
+from ._guard import Overrun, guard
+from ._profile import _region_overhead_s
+from ._timing import _median_s, _step_of, time_calls
+from ._tree_apply import applied, run_option
+from ._tree_step import TreeStep
+
+# A candidate's inputs as the step passes them: per tensor leaf (in pytree order)
+# its shape, dtype and whether it requires grad.
+Layout = tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+
+
+class _Got(Exception):
+    """Stops the forward once the module wanted has its inputs (`_capture`)."""
+
+
+def _capture(step: TreeStep, name: str, layout: Layout) -> tuple[Any, Any, int]:
+    """The real inputs candidate ``name`` takes in the step, from a forward without grad.
+
+    Without grad the forward keeps no activation, and it stops as soon as
+    ``name`` is called: its peak is a module's work, not the step's. Inputs the
+    forward made are copied (a later in-place op of the forward may write into
+    them; the step's own inputs and parameters are taken as they are) and
+    require grad where the step's did, by the ``layout`` the fake run saw.
+    Returns the args, the kwargs and the bytes of the copies.
+    """
+    model = step.model
+    alive = [*pytree.tree_leaves((step.args, step.kwargs)), *model.parameters(), *model.buffers()]
+    made_before = {s.data_ptr() for t in alive if (s := storage_of(t)) is not None}
+    got: list[Any] = []
+    copies = [0]
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        fake = list(layout)
+        copied = []
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                # requires grad as the fake input of its shape and dtype did
+                key = (tuple(leaf.shape), leaf.dtype)
+                match = next((f for f in fake if f[:2] == key), None)
+                if match is not None:
+                    fake.remove(match)
+                kept = storage_of(leaf)
+                leaf = leaf.detach()
+                if kept is None or kept.data_ptr() not in made_before:
+                    leaf = leaf.clone()
+                    copies[0] += leaf.untyped_storage().nbytes()
+                leaf.requires_grad_(bool(match and match[2]))
+            copied.append(leaf)
+        got.append(pytree.tree_unflatten(copied, spec))
+        raise _Got
+
+    handle = model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*step.args, **step.kwargs)
+    except _Got:
+        pass
+    finally:
+        handle.remove()
+    args, kwargs = got[0]
+    return args, kwargs, copies[0]
+
+
+def alone_figures(
+    step: TreeStep,
+    names: list[str],
+    rep_of: Mapping[str, str],
+    layouts: Mapping[str, Layout],
+    parent: Mapping[str, str],
+    policies: Mapping[str, Policy],
+    repeats: int,
+    limit: int | None,
+    probe: str,
+) -> tuple[dict[str, float], int, dict[str, dict[str, tuple[int, float]]]]:
+    """Times, workspace and options' figures, one representative at a time (NOTE [alike stages]).
+
+    Each representative's inputs are captured (`_capture`), its figures taken,
+    and its inputs dropped before the next: one module's inputs and work are
+    live at a time (NOTE [planning within the budget]). The runs that measure
+    bytes run under the guard, less what the inputs hold; the timed ones do
+    not (a guard's ledger would slow them), and hold no more than those.
+    """
+    model = step.model
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
+    inner = set(names) - set(parent.values())
+    times: dict[str, float] = {}
+    figures: dict[str, dict[str, tuple[int, float]]] = {}
+    gap = 0
+    for rep in dict.fromkeys(rep_of.values()):
+        with guard(limit, probe):
+            args, kwargs, held = _capture(step, rep, layouts[rep])
+        left = None if limit is None else limit - held
+        # A candidate with candidates inside runs with those forgotten, so that its
+        # forward holds their inputs, not its whole subtree's activations; their
+        # regions' fixed costs are taken off its time.
+        inside = [n for n in names if parent[n] == rep]
+        forward = functools.partial(model.get_submodule(rep), *args, **kwargs)
+        with applied(model, dict.fromkeys(inside, "forget"), {}):
+            times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
+        if rep in inner:
+            alone = _Alone(model.get_submodule(rep), args, kwargs)
+            try:
+                with guard(left, probe):
+                    gap = max(gap, alone.workspace_bytes(probe))
+                    offered = alone.option_bytes(policies)
+            except Overrun as exc:  # the budget is what counts, with the inputs held
+                raise Overrun(exc.limit_bytes + held, exc.live_bytes + held) from None
+            figures[rep] = alone.option_times(offered, policies, repeats)
+            alone.clear()
+        del args, kwargs, forward
+    return {name: times[rep_of[name]] + fixed for name in names}, gap, figures
+
+
+def _scalar(output: Any) -> Tensor:
+    """The sum of every floating tensor in ``output`` that requires grad (one backward for all)."""
+    leaves = [
+        t.sum()
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point()
+    ]
+    return torch.stack(leaves).sum() if leaves else torch.zeros(())
+
+
+class _Alone:
+    """A module run alone on the inputs it took in the step, plainly or under an option."""
+
+    def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.forward = module.forward
+        self.args, self.kwargs = args, kwargs
+        params = [p for p in module.parameters() if p.requires_grad]
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        self.tensors = [*params, *leaves]
+
+    def clear(self) -> None:
+        for t in self.tensors:
+            t.grad = None
+
+    def run(self, policy: Policy | None) -> Any:
+        if policy is None:
+            return self.forward(*self.args, **self.kwargs)
+        return run_option(self.forward, self.args, self.kwargs, policy)
+
+    def loss(self, policy: Policy | None) -> Tensor:
+        return _scalar(self.run(policy))
+
+    def step(self) -> None:
+        """The module's training step alone, run plainly."""
+        self.loss(None).backward()
+
+    def saved_bytes(self, policy: Policy | None) -> int:
+        """Bytes alive after the forward alone (saved for backward, and its outputs)."""
+        self.clear()
+        return measure(self.run, policy).end_bytes
+
+    def forgotten_bytes(self) -> int:
+        """Bytes alive after the forward alone run as a forgotten region (its outputs)."""
+        self.clear()
+        return measure(run_option, self.forward, self.args, self.kwargs, None).end_bytes
+
+    def workspace_bytes(self, probe: str) -> int:
+        """What the allocator hands out beyond the ledger's storages in this module's step.
+
+        Kernel workspaces (a convolution's, on CPU too) are no tensor storage, so
+        the ledger, and the fake run it counts, does not see them (NOTE [tree
+        figures]); the most of any innermost candidate is the step's.
+        """
+        if probe == "ledger":
+            return 0
+        self.clear()
+        by_allocator = measure(self.step, probe=probe).peak_bytes
+        self.clear()
+        by_ledger = measure(self.step).peak_bytes
+        self.clear()
+        return max(0, by_allocator - by_ledger)
+
+    def option_bytes(self, policies: Mapping[str, Policy]) -> dict[str, int]:
+        """Per option offered, the bytes it saves fewer than keeping.
+
+        An option that saves nothing is left out: keeping does as well at no extra
+        time. So is a policy region that keeps no more than a forgotten one (a
+        ``"selective"`` keep of matmul outputs on a convolution block): it re-runs
+        as much, through the slower policy path.
+        """
+        if not policies:
+            return {}
+        held = {name: self.saved_bytes(p) for name, p in policies.items()}
+        kept = self.saved_bytes(None)
+        forgotten: int | None = None
+        offered = {}
+        for name, policy in policies.items():
+            if held[name] >= kept:
+                continue
+            if not policy.regenerate:
+                if forgotten is None:
+                    forgotten = self.forgotten_bytes()
+                if held[name] <= forgotten:
+                    continue
+            offered[name] = kept - held[name]
+        return offered
+
+    def option_times(
+        self, offered: Mapping[str, int], policies: Mapping[str, Policy], repeats: int
+    ) -> dict[str, tuple[int, float]]:
+        """Per option offered, its bytes saved and the seconds it adds to a step.
+
+        Each is timed side by side with the plain step (`time_calls`), by the
+        median over rounds of its time less the plain step's in the same round.
+        """
+        if not offered:
+            return {}
+        steps: dict[str | None, Callable[[], None]] = {
+            None: _step_of(functools.partial(self.loss, None))
+        }
+        steps.update(
+            (name, _step_of(functools.partial(self.loss, policies[name]))) for name in offered
+        )
+        rounds = time_calls(steps, max(3, repeats), prepare=lambda _: self.clear())
+        plain = rounds.pop(None)  # the plain step, once a round beside every option
+        extra = {
+            name: max(0.0, statistics.median(t - p for t, p in zip(times, plain, strict=True)))
+            for name, times in rounds.items()
+        }
+        return {name: (saves, extra[name]) for name, saves in offered.items()}
