@@ -493,11 +493,14 @@ class Planner:
         plain = trials.peaks.get(self.store_all.items)
         min_feasible = min(peaks) if plain is None else min(plain, *peaks)
         if budget_bytes < min_feasible:
+            measured = any(peak == min_feasible for peak in trials.peaks.values())
+            if not measured:  # every step stopped: the least is the model's, at least the bound
+                min_feasible = max(min_feasible, least.predicted_peak_bytes + outside)
+            how = "measured" if measured else "an estimate: no step tried fits the budget"
             raise BudgetInfeasibleError(
                 f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
-                f"{min_feasible:,} B (the least measured peak of any schedule tried, or the "
-                f"bound a step stopped at it passed; the plain step is predicted to peak at "
-                f"{self.plain_peak:,} B)",
+                f"{min_feasible:,} B (the least peak of any schedule tried, {how}; the "
+                f"plain step is predicted to peak at {self.plain_peak:,} B)",
                 budget_bytes=budget_bytes,
                 min_feasible_bytes=min_feasible,
             )

@@ -482,7 +482,7 @@ class TreePlanner:
         fitting = [({}, self.peak({}))] if plain_fits else self.fitting(budget_bytes)
         if not fitting:
             known = any(peak == min_feasible for _, peak in self.measured.values())
-            how = "measured" if known else "predicted: no step tried fits the budget"
+            how = "measured" if known else "an estimate: no step tried fits the budget"
             raise BudgetInfeasibleError(
                 f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
                 f"{min_feasible:,} B (the least allocator peak of any plan, {how}; "
