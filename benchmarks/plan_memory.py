@@ -308,7 +308,7 @@ def child(call: str, name: str, quick: bool, budget_bytes: int, path: str) -> di
 
 
 def warm_up(model: Any, batch: dict[str, Any]) -> None:
-    """One plain step on a sliver of the batch: one sample, 16 tokens.
+    """One plain step on a sliver of the batch (one sample, 16 tokens), one on fake tensors.
 
     The first step of a process initialises what every later one reuses
     (thread pools, the autograd engine, kernel caches): tens of MB of resident
@@ -318,6 +318,16 @@ def warm_up(model: Any, batch: dict[str, Any]) -> None:
     sliver = {k: v[:1, :16] if v.dim() == 2 else v[:1] for k, v in batch.items()}
     model(**sliver).loss.backward()
     model.zero_grad(set_to_none=True)
+    # Fake tensors (torch's FakeTensorMode, which the planner profiles on) load
+    # sympy and torch's symbolic shapes once per process: about 79 MiB of
+    # resident memory whatever the model, a cost of the process as importing
+    # torch is, not of the call measured.
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.ones(2, 2, requires_grad=True))
+        (x @ x).sum().backward()
 
 
 def build(name: str, quick: bool) -> tuple[Any, dict[str, Any]]:
