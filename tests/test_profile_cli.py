@@ -68,7 +68,9 @@ def test_profile_a_user_factory(factory_dir, capsys):
     data = json.loads(out_json.read_text())
     plan = data["plan"]
     assert plan["measured_peak_bytes"] <= plan["budget_bytes"]
-    assert max(data["timeline"]["plain"]) == data["plain_peak_bytes"]
+    # The plain step's timeline is the ledger's; its peak is predicted, from the
+    # least-memory schedule's step (NOTE [chain planning within the budget]).
+    assert 0 < max(data["timeline"]["plain"]) <= data["plain_peak_bytes"]
     assert max(data["timeline"]["planned"]) == plan["measured_peak_bytes"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

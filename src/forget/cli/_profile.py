@@ -278,9 +278,15 @@ def main(argv: Sequence[str]) -> int:
         progress.close()
     print(f"forget profile: {name}, {len(planner.chain)} blocks, torch {torch.__version__}")
     print(
-        f"plain step: peak {planner.plain_peak:,} B ({format_bytes(planner.plain_peak)}); "
-        f"measured minus the block model's prediction: {planner.outside:+,} B "
-        "(stem, head, loss and gradients; added to every predicted peak)"
+        f"plain step: peak {planner.plain_peak:,} B ({format_bytes(planner.plain_peak)}), "
+        "predicted; "
+        + (
+            "the least-memory schedule passed the budget, so what the step holds outside "
+            "the block model is not measured"
+            if planner.outside is None
+            else f"measured minus the block model's prediction: {planner.outside:+,} B "
+            "(stem, head, loss and gradients; added to every predicted peak)"
+        )
     )
     print(format_ledger(planner))
     print()
