@@ -824,8 +824,11 @@ def _run(enabled: Enabled, budget: str, copied: bool = True) -> tuple[Any, TreeP
         least = enabled.runs["least"]
         assert not isinstance(least, BudgetInfeasibleError), "the least feasible budget fits"
         least_bytes = least[1].budget_bytes
-        assert budget != "least" and run.min_feasible_bytes == least_bytes > run.budget_bytes
-        assert f"{least_bytes:,} B" in str(run)
+        # Each budget's planner names the least it measured (or estimated, where no step
+        # fits its budget: NOTE [planning within the budget]); one planning a smaller
+        # budget may search lower than the first did.
+        assert budget != "least" and run.min_feasible_bytes > run.budget_bytes
+        assert f"{run.min_feasible_bytes:,} B" in str(run)
         pytest.skip(f"{budget} is below the least feasible budget ({least_bytes:,} B)")
     model, plan = run
     if not copied:
@@ -850,7 +853,8 @@ def test_budget_measured_peak_is_within_the_budget(enabled: Enabled, budget: str
         f"not kept: {dict(plan.choices)}"
     )
     assert peak == plan.measured_peak_bytes <= plan.budget_bytes < enabled.plain_peak_bytes
-    assert plan.plain_peak_bytes == enabled.plain_peak_bytes
+    # Predicted (planning never runs the plain step: NOTE [tree figures]), close.
+    assert abs(plan.plain_peak_bytes - enabled.plain_peak_bytes) <= 0.15 * enabled.plain_peak_bytes
     if budget == "least":
         assert plan.budget_bytes == plan.min_feasible_bytes
     else:

@@ -96,6 +96,7 @@ def alone_figures(
     policies: Mapping[str, Policy],
     repeats: int,
     limit: int | None,
+    alone_limit: int | None,
     probe: str,
 ) -> tuple[dict[str, float], int, dict[str, dict[str, tuple[int, float]]]]:
     """Times, workspace and options' figures, one representative at a time (NOTE [alike stages]).
@@ -105,6 +106,16 @@ def alone_figures(
     live at a time (NOTE [planning within the budget]). The runs that measure
     bytes run under the guard, less what the inputs hold; the timed ones do
     not (a guard's ledger would slow them), and hold no more than those.
+
+    NOTE [heavy modules]: the capture runs under the budget (``limit``); a
+    module's step alone under ``alone_limit``, the plain step's ledger peak
+    from the fake run, so that the figures, and the plan, do not depend on the
+    budget: a plan made at the least feasible budget one planner names is the
+    plan another finds there. So a module's step alone may pass a budget below
+    the plain peak; where one passes even ``alone_limit``, the module is heavy:
+    its step is not run again, its forward is timed without grad (a forgotten
+    region's re-run costs about that), its workspace is not learned, and it is
+    offered no option.
     """
     model = step.model
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -116,25 +127,36 @@ def alone_figures(
     for rep in dict.fromkeys(rep_of.values()):
         with guard(limit, probe):
             args, kwargs, held = _capture(step, rep, layouts[rep])
-        left = None if limit is None else limit - held
-        # A candidate with candidates inside runs with those forgotten, so that its
-        # forward holds their inputs, not its whole subtree's activations; their
-        # regions' fixed costs are taken off its time.
-        inside = [n for n in names if parent[n] == rep]
-        forward = functools.partial(model.get_submodule(rep), *args, **kwargs)
-        with applied(model, dict.fromkeys(inside, "forget"), {}):
-            times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
+        left = None if alone_limit is None else alone_limit - held
+        module = model.get_submodule(rep)
+        # Bytes first, under the guard: a module whose step alone passes the budget
+        # (NOTE [heavy modules]) is timed without grad and offered no option.
+        heavy = False
+        offered: dict[str, int] = {}
+        alone = _Alone(module, args, kwargs)
         if rep in inner:
-            alone = _Alone(model.get_submodule(rep), args, kwargs)
             try:
                 with guard(left, probe):
                     gap = max(gap, alone.workspace_bytes(probe))
                     offered = alone.option_bytes(policies)
-            except Overrun as exc:  # the budget is what counts, with the inputs held
-                raise Overrun(exc.limit_bytes + held, exc.live_bytes + held) from None
+            except Overrun:
+                heavy, offered = True, {}
+            alone.clear()
+        # A candidate with candidates inside runs with those forgotten, so that its
+        # forward holds their inputs, not its whole subtree's activations; their
+        # regions' fixed costs are taken off its time.
+        inside = [n for n in names if parent[n] == rep]
+        forward = functools.partial(module, *args, **kwargs)
+        with applied(model, dict.fromkeys(inside, "forget"), {}):
+            if heavy:
+                with torch.no_grad():
+                    times[rep] = _median_s(forward, repeats)
+            else:
+                times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
+        if rep in inner:
             figures[rep] = alone.option_times(offered, policies, repeats)
             alone.clear()
-        del args, kwargs, forward
+        del args, kwargs, forward, alone
     return {name: times[rep_of[name]] + fixed for name in names}, gap, figures
 
 
@@ -171,8 +193,10 @@ class _Alone:
         return _scalar(self.run(policy))
 
     def step(self) -> None:
-        """The module's training step alone, run plainly."""
-        self.loss(None).backward()
+        """The module's training step alone, run plainly (no backward where nothing needs grad)."""
+        loss = self.loss(None)
+        if loss.requires_grad:  # a frozen module on inputs that need no grad: no backward
+            loss.backward()
 
     def saved_bytes(self, policy: Policy | None) -> int:
         """Bytes alive after the forward alone (saved for backward, and its outputs)."""

@@ -122,8 +122,8 @@ def profile_tree(
         TypeError: the step's output has no loss (`step_loss`).
         ForgetError: the step's module calls differ between its runs (NOTE
             [one structure per step]).
-        BudgetInfeasibleError: with ``budget``, a run on real tensors (the
-            forward without grad, a candidate's step alone) passed it.
+        BudgetInfeasibleError: with ``budget``, the forward without grad
+            passed it.
     """
     model = step.model
     wrapped = [name for name, m in model.named_modules() if is_wrapped(m)]
@@ -164,24 +164,34 @@ def profile_tree(
         # ledger peak here, no more than of the predicted plain peak it plans with.
         known = budget is not None or probe == "cuda"  # None: "free" on CUDA
         limit = budget_bytes(budget, max(1, ledger_peak), probe) if known else None
+        overrun: tuple[int, int] | None = None
         try:
             with guard(limit, probe), traced(model) as real, torch.no_grad():
                 step.model(*step.args, **step.kwargs)
             # Fake tensors may take other paths of the same modules (a model that skips
             # an all-ones mask when it can read it builds one when it cannot): names only.
             check_same_calls(model, _names(first), _names(real), "run on real tensors")
+            # A module's step alone runs under the plain step's ledger peak, not the
+            # budget: the profile, and so the plan, is then the same at every budget
+            # (NOTE [heavy modules] in `._tree_alone`).
+            alone_limit = None if limit is None else max(limit, ledger_peak)
             times, gap, figures = alone_figures(
-                step, names, rep_of, layouts, parent, policies, repeats, limit, probe
+                step, names, rep_of, layouts, parent, policies, repeats, limit, alone_limit, probe
             )
         except Overrun as exc:
+            # Raised outside this block: an exception raised here would keep the
+            # stopped forward's frames (its tensors, its regions) as its context.
+            overrun = (exc.limit_bytes, exc.live_bytes)
+        if overrun is not None:
+            limit_bytes, live_bytes = overrun
             raise BudgetInfeasibleError(
-                f"forget: the budget {exc.limit_bytes:,} B is below the smallest feasible "
-                f"one: {type(model).__name__}'s forward without grad, or one of its candidate "
-                f"modules' step alone, needs more ({exc.live_bytes:,} B and counting); raise "
-                "the budget, or offer smaller candidates (candidates=)",
-                budget_bytes=exc.limit_bytes,
-                min_feasible_bytes=exc.live_bytes,
-            ) from None
+                f"forget: the budget {limit_bytes:,} B is below the smallest feasible "
+                f"one: {type(model).__name__}'s forward without grad, which keeps no "
+                f"activation, needs more ({live_bytes:,} B and counting); raise the "
+                "budget",
+                budget_bytes=limit_bytes,
+                min_feasible_bytes=live_bytes,
+            )
         options = _options(names, rep_of, figures, policies, own, inputs, parent)
     plain_peak = ledger_peak + gap
     children: dict[str, list[str]] = {ROOT: [], **{n: [] for n in names}}
