@@ -273,6 +273,20 @@ class _Regenerated:
         return out
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a pack keeps it: detached where it has a graph (NOTE [kept outputs]).
+
+    NOTE [kept outputs]: a pack that returns a tensor with a ``grad_fn`` keeps that
+    tensor, so where the tensor is an output its own node saves, the node holds
+    the tensor that holds the node: a cycle through C++ that Python's collector
+    cannot see. Backward breaks it as it frees the saved values; a forward whose
+    backward never runs (a step the planner's guard stopped) leaked its whole
+    graph. The detached tensor shares the storage and the version counter, so
+    what backward reads, and the in-place check, are the same.
+    """
+    return t.detach() if t.grad_fn is not None else t
+
+
 def resolve(saved: Any) -> Any:
     """What a saved value stands for: a `_Regenerated` rebuilt, anything else as it is.
 
@@ -334,9 +348,9 @@ def regenerating(policy: Policy) -> Iterator[None]:
             return t if rebuild is None else _Regenerated(t, rebuild, False)
         rule = rules.get(type(node).__name__)
         if rule is None or _in_region(node):  # NOTE [region outputs]
-            return t
+            return _kept(t)
         rebuild = rule(node, base)
-        return t if rebuild is None else _Regenerated(t, rebuild, base is not t)
+        return _kept(t) if rebuild is None else _Regenerated(t, rebuild, base is not t)
 
     if _packers.stack:  # NOTE [regenerate in a re-run]
         entry = (_packers.stack[-1], pack)
