@@ -298,6 +298,7 @@ def main(argv: Sequence[str]) -> int:
         if plan.budget_bytes >= planner.plain_peak:
             print(above_plain_note(plan.budget_bytes, planner.plain_peak))
     no_plan = f"no plan for the budget {args.budget}"
+    payload: dict[str, Any] | None = None
     if args.json is not None:
         payload = {
             "model": name,
@@ -306,28 +307,8 @@ def main(argv: Sequence[str]) -> int:
                 {"name": s.name, "input_bytes": s.input_bytes, "saved_bytes": s.saved_bytes}
                 for s in planner.chain.stages
             ],
-            "plan": None if plan is None else plan.to_dict(),
-            "timeline": {
-                "plain": [live for live, _ in plain_line],
-                "planned": [live for live, _ in planned_line],
-            },
         }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
-        wrote(
-            args.json,
-            "the ledger, the plan and the timelines as JSON"
-            if plan is not None
-            else f'the ledger and the plain timeline as JSON; "plan" is null: {no_plan}',
-        )
-    if args.timeline is not None:
-        write_timeline(args.timeline, name, plain_line, planned_line, plan)
-        wrote(
-            args.timeline,
-            "live memory over one step, plain and planned"
-            if plan is not None
-            else f"live memory over one plain step only: {no_plan}",
-        )
-    return 0 if plan is not None else 2
+    return _write(args, payload, name, plain_line, planned_line, plan, no_plan)
 
 
 def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
@@ -378,6 +359,7 @@ def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
         if plan.budget_bytes >= planner.plain_peak:
             print(above_plain_note(plan.budget_bytes, planner.plain_peak))
     no_plan = f"no plan for the budget {args.budget}"
+    payload: dict[str, Any] | None = None
     if args.json is not None:
         types = dict(planner.structure)
         payload = {
@@ -394,11 +376,32 @@ def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
                 }
                 for node in _nodes(planner.tree.root)
             ],
-            "plan": None if plan is None else plan.to_dict(),
-            "timeline": {
-                "plain": [live for live, _ in plain_line],
-                "planned": [live for live, _ in planned_line],
-            },
+        }
+    return _write(args, payload, spec, plain_line, planned_line, plan, no_plan)
+
+
+def _nodes(node: Any) -> list[Any]:
+    out = [node]
+    for child in node.children:
+        out += _nodes(child)
+    return out
+
+
+def _write(
+    args: argparse.Namespace,
+    payload: dict[str, Any] | None,
+    name: str,
+    plain_line: Any,
+    planned_line: Any,
+    plan: Any,
+    no_plan: str,
+) -> int:
+    """Write ``--json`` (``payload`` and the timelines) and ``--timeline``; the exit status."""
+    if args.json is not None and payload is not None:
+        payload["plan"] = None if plan is None else plan.to_dict()
+        payload["timeline"] = {
+            "plain": [live for live, _ in plain_line],
+            "planned": [live for live, _ in planned_line],
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         wrote(
@@ -408,7 +411,7 @@ def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
             else f'the ledger and the plain timeline as JSON; "plan" is null: {no_plan}',
         )
     if args.timeline is not None:
-        write_timeline(args.timeline, spec, plain_line, planned_line, plan)
+        write_timeline(args.timeline, name, plain_line, planned_line, plan)
         wrote(
             args.timeline,
             "live memory over one step, plain and planned"
@@ -416,10 +419,3 @@ def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
             else f"live memory over one plain step only: {no_plan}",
         )
     return 0 if plan is not None else 2
-
-
-def _nodes(node: Any) -> list[Any]:
-    out = [node]
-    for child in node.children:
-        out += _nodes(child)
-    return out
