@@ -110,3 +110,12 @@ def test_an_infeasible_budget_raises_naming_the_least_without_passing_it():
     assert info.value.budget_bytes == budget < info.value.min_feasible_bytes
     assert str(info.value).startswith("forget: the budget 200,000 B is below")
     _assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("budget", [None, "free"], ids=["no budget", "free"])
+def test_free_memory_budgets_are_for_cuda(budget):
+    # NOTE [free budget]: what the device has free; a step on the CPU has no such figure.
+    model, inputs = _model("net")
+    kwargs = {} if budget is None else {"budget": budget}
+    with pytest.raises(ValueError, match="the CUDA device has free, and this step runs on"):
+        forget.plan(model, repeats=1, **kwargs, **inputs)

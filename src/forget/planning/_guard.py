@@ -62,9 +62,6 @@ class Peak:
     bytes: int
     stopped: bool = False
 
-    def fits(self, budget_bytes: int) -> bool:
-        return not self.stopped and self.bytes <= budget_bytes
-
 
 class _GuardLedger(Ledger):
     """A ledger that raises `Overrun` as soon as the live bytes pass ``limit_bytes``."""
