@@ -70,8 +70,10 @@ later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
 not hold the same bytes: on a residual MLP whose blocks were kept in part
 (``"selective"``), the first step under the plan peaked at 2,371,144 B and
 every later one at 2,767,944 B, past the budget of 2,605,252 B the first had
-been measured to fit. So every assignment with regions is measured twice, the
-second step right after the first, and the larger peak counts.
+been measured to fit. So every assignment with a policy region is measured
+twice, the second step right after the first, and the larger peak counts (a
+forgotten region's two paths hold the same bytes: its fast path only skips the
+watching; regenerate runs no region).
 
 NOTE [one region fewer]: the search walks the frontier the cost model
 predicts, so an assignment off that frontier is never measured, however well
@@ -279,7 +281,7 @@ class TreePlanner:
             with traced(model) as calls:
                 zero_grads(target)
                 peak = guarded_peak(self.step.run, probe, limit_bytes)
-            if choices and not peak.stopped:  # NOTE [first and later steps]
+            if not peak.stopped and self._policy_regions(choices):  # NOTE [first and later steps]
                 zero_grads(target)
                 again = guarded_peak(self.step.run, probe, limit_bytes)
                 peak = again if again.stopped or again.bytes > peak.bytes else peak
@@ -287,6 +289,13 @@ class TreePlanner:
             where = ", ".join(choices) or "nothing"
             check_same_calls(model, self.profile.calls, calls, f"run with {where} not kept")
         return peak
+
+    def _policy_regions(self, choices: Mapping[str, str]) -> bool:
+        """Whether ``choices`` run a policy region (a partial keep other than regenerate)."""
+        return any(
+            (policy := self.policies.get(choice)) is not None and not policy.regenerate
+            for choice in choices.values()
+        )
 
     def peak(self, choices: Mapping[str, str]) -> int:
         """The allocator's peak under ``choices``, measured once per assignment.
