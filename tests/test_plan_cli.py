@@ -379,7 +379,7 @@ def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_pat
         "uniform segments, k = 1..L (measured peak, predicted time)",
         "forget-all (measured peak, predicted time)",
         "the budgets (--budgets): a plan's peak lies on or left of its own",
-        "store-all (plain, measured)",
+        "store-all (plain, predicted)",
         "our plans (measured peak, predicted time)",
         "our plans (measured peak, measured time, noisy)",
     ]

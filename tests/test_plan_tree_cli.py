@@ -158,7 +158,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
         "least time at each peak, of those measured",
         "every innermost candidate forgotten (measured peak, predicted time)",
         "the budgets (--budgets): a plan's peak lies on or left of its own",
-        "store-all (plain, measured)",
+        "store-all (plain, predicted)",
         "our plans (measured peak, predicted time)",
         "our plans (measured peak, measured time, noisy)",
     ]

@@ -123,7 +123,7 @@ def draw_plans(
             color="gray",
         )
     ax.plot(
-        [plain_peak_bytes / MIB], [0.0], "k^", markersize=9, label="store-all (plain, measured)"
+        [plain_peak_bytes / MIB], [0.0], "k^", markersize=9, label="store-all (plain, predicted)"
     )
     ax.plot(
         [peak / MIB for peak, _, _ in plans],
