@@ -265,6 +265,7 @@ def main(argv: Sequence[str]) -> int:
         min_feasible = 0
         if args.budget == "min":
             min_feasible = planner.plan(planner.plain_peak).min_feasible_bytes
+        infeasible: BudgetInfeasibleError | None = None
         try:
             budget = resolve_budget(args.budget, planner.plain_peak, min_feasible)
             plan: Plan | None = planner.plan(budget)
@@ -290,14 +291,7 @@ def main(argv: Sequence[str]) -> int:
     )
     print(format_ledger(planner))
     print()
-    if plan is None:
-        hint = percent_hint(args.budget)
-        print(f"{infeasible}; --budget min plans at the smallest{hint}", file=sys.stderr)
-    else:
-        print(plan)
-        if plan.budget_bytes >= planner.plain_peak:
-            print(above_plain_note(plan.budget_bytes, planner.plain_peak))
-    no_plan = f"no plan for the budget {args.budget}"
+    no_plan = _print_plan(args, plan, infeasible, planner.plain_peak)
     payload: dict[str, Any] | None = None
     if args.json is not None:
         payload = {
@@ -351,14 +345,7 @@ def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
     )
     print(format_tree_ledger(planner))
     print()
-    if plan is None:
-        hint = percent_hint(args.budget)
-        print(f"{infeasible}; --budget min plans at the smallest{hint}", file=sys.stderr)
-    else:
-        print(plan)
-        if plan.budget_bytes >= planner.plain_peak:
-            print(above_plain_note(plan.budget_bytes, planner.plain_peak))
-    no_plan = f"no plan for the budget {args.budget}"
+    no_plan = _print_plan(args, plan, infeasible, planner.plain_peak)
     payload: dict[str, Any] | None = None
     if args.json is not None:
         types = dict(planner.structure)
@@ -385,6 +372,20 @@ def _nodes(node: Any) -> list[Any]:
     for child in node.children:
         out += _nodes(child)
     return out
+
+
+def _print_plan(
+    args: argparse.Namespace, plan: Any, infeasible: object, plain_peak_bytes: int
+) -> str:
+    """Print the plan, or why there is none (on stderr); what the files say where there is none."""
+    if plan is None:
+        hint = percent_hint(args.budget)
+        print(f"{infeasible}; --budget min plans at the smallest{hint}", file=sys.stderr)
+    else:
+        print(plan)
+        if plan.budget_bytes >= plain_peak_bytes:
+            print(above_plain_note(plan.budget_bytes, plain_peak_bytes))
+    return f"no plan for the budget {args.budget}"
 
 
 def _write(
