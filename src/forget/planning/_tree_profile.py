@@ -236,8 +236,6 @@ def _names(calls: list[Call]) -> list[Call]:
 
 # ------------------------------------------------------------------ passes
 
-_Captured = dict[str, tuple[tuple[Any, ...], dict[str, Any]]]
-
 
 class _FakeStep:
     """The step on fake tensors: parameters, buffers and inputs with no memory behind them."""
