@@ -10,8 +10,17 @@ at the largest shape, the capped step's time against plain (a cap never reached:
 1e12 bytes), against the cap at 50 %, and against a ``forget.plan`` at that
 budget and layer checkpointing, medians of interleaved rounds.
 
+``--evictions dtr,largest,first_run,cheapest_per_byte`` runs the same caps once
+per eviction order (NOTE [eviction order]) instead, side by side: per order the
+largest peak / cap of the run, the regions evicted over its steps, and what
+their re-runs cost: the evicted regions' forward FLOPs over the run's forward
+FLOPs (``torch.utils.flop_counter`` on the plain model at each shape, attention
+run eagerly so that its matmuls count; elementwise ops count nothing), and the
+evicted regions' forward time as the cap's own records have it
+(`StepReport.evicted_forward_s`, a wall-clock figure).
+
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
-        [--times] [--rounds 5]
+        [--times] [--rounds 5] [--evictions dtr,largest]
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import forget
 from forget.planning import time_calls
@@ -129,6 +139,53 @@ def run_peaks(name: str) -> None:
         print(f"  cap {share:.0%} = {budget:,} B: " + "; ".join(row))
 
 
+def region_flops(model: nn.Module, inputs: dict[str, Any], names: tuple[str, ...]) -> list[int]:
+    """The forward FLOPs of the model, then of each named region, at these inputs."""
+    counted: Any = copy.deepcopy(model)
+    if hasattr(counted, "set_attn_implementation"):
+        counted.set_attn_implementation("eager")  # matmuls the counter sees
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        counted(**inputs)
+    flops = {key: sum(per.values()) for key, per in counter.get_flop_counts().items()}
+    root = type(model).__name__
+    return [flops[root], *(flops.get(f"{root}.{n}", 0) for n in names)]
+
+
+def run_evictions(name: str, evictions: list[str]) -> None:
+    make, shapes = models()[name]
+    model, big = make(max(shapes))
+    plain = peak(model, big)
+    names = forget.cap(copy.deepcopy(model), 10**12).names
+    flops = {shape: region_flops(model, make(shape)[1], names) for shape in shapes}
+    print(f"## {name}: plain peak at {max(shapes)} = {plain:,} B; eviction orders")
+    for share in (0.75, 0.5):
+        budget = int(plain * share)
+        for eviction in evictions:
+            capped = copy.deepcopy(model)
+            handle = forget.cap(capped, budget, eviction=eviction)
+            ratios, evicted, rerun, total, rerun_s, errors = [], 0, 0, 0, 0.0, []
+            for shape in shapes:
+                _, inputs = make(shape)
+                try:
+                    got = peak(capped, inputs)
+                except forget.ForgetError:
+                    errors.append(str(shape))
+                    continue
+                report = handle.steps[-1]
+                ratios.append(got / budget)
+                evicted += len(report.evicted)
+                total += flops[shape][0]
+                rerun += sum(flops[shape][1 + names.index(r)] for r in report.evicted)
+                rerun_s += report.evicted_forward_s
+            handle.remove()
+            print(
+                f"  cap {share:.0%} {eviction}: max peak/cap {max(ratios, default=0):.3f} "
+                f"(per step {' '.join(f'{r:.3f}' for r in ratios)}); evicted {evicted}; "
+                f"re-run FLOPs {rerun / max(total, 1):.3f} of the forward's; "
+                f"re-run {rerun_s * 1e3:.1f} ms; ForgetError at {','.join(errors) or '-'}"
+            )
+
+
 def run_times(name: str, rounds: int) -> None:
     make, shapes = models()[name]
     model, inputs = make(max(shapes))
@@ -166,9 +223,13 @@ def main() -> None:
     parser.add_argument("--models", default="llama,gpt2,bert,resnet")
     parser.add_argument("--times", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--evictions", default=None, help="compare these eviction orders")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
+        if args.evictions:
+            run_evictions(name, args.evictions.split(","))
+            continue
         run_peaks(name)
         if args.times:
             run_times(name, args.rounds)

@@ -29,7 +29,7 @@ from ..engine import DroppableRegion, in_recomputing, run_region
 from ..errors import ForgetError
 from ..planning import find_candidates, is_wrapped
 from ..schedules import parse_budget
-from ._steps import Step, StepReport
+from ._steps import EVICTIONS, Step, StepReport
 
 __all__ = ["Cap", "cap"]
 
@@ -42,6 +42,7 @@ def cap(
     budget: int | float | str,
     *,
     candidates: str | type | Iterable[str | type] | None = None,
+    eviction: str = "dtr",
 ) -> Cap:
     """Keep every training step of ``model`` under ``budget`` bytes, in place, with no plan.
 
@@ -64,6 +65,10 @@ def cap(
             them (a name pattern, a module type, or a list of them); default
             the repeated blocks and the modules around them (NOTE [tree
             candidates]).
+        eviction: which region goes first when the step must give memory back,
+            by name: ``"dtr"`` (the default: DTR's cost / (bytes x staleness)),
+            ``"largest"``, ``"first_run"`` or ``"cheapest_per_byte"`` (NOTE
+            [eviction order]).
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.
@@ -71,7 +76,7 @@ def cap(
     Raises:
         TypeError: ``model`` is no ``nn.Module``; a budget of another type.
         ValueError: a budget that is no size; a share on CPU; a model with no
-            candidate region.
+            candidate region; an eviction order of another name.
         ForgetError: the model runs under a cap or a plan already. During a step:
             a cap that cannot hold, naming the least the step needs.
 
@@ -96,6 +101,11 @@ def cap(
             "whose forward the training step calls."
         )
     budget_bytes = budget_to_bytes(budget, _device_of(model))
+    if eviction not in EVICTIONS:
+        raise ValueError(
+            f"forget: no eviction order named {eviction!r}; expected one of "
+            f"{', '.join(map(repr, EVICTIONS))} (NOTE [eviction order])."
+        )
     _refuse_wrapped(model)
     names = [
         name
@@ -109,7 +119,7 @@ def cap(
             "that may be regions with candidates= (a name pattern such as '*.layers.*', a "
             "module type, or a list of them)."
         )
-    return Cap(model, names, budget_bytes)
+    return Cap(model, names, budget_bytes, eviction)
 
 
 def budget_to_bytes(budget: int | float | str, device: torch.device) -> int:
@@ -133,11 +143,15 @@ class Cap:
     Attributes:
         model: the capped model.
         names: the candidate regions, dotted names.
+        eviction: the eviction order's name (NOTE [eviction order]).
     """
 
-    def __init__(self, model: nn.Module, names: list[str], budget_bytes: int) -> None:
+    def __init__(
+        self, model: nn.Module, names: list[str], budget_bytes: int, eviction: str = "dtr"
+    ) -> None:
         self.model = model
         self.names = tuple(names)
+        self.eviction = eviction
         self._budget_bytes = budget_bytes
         self._step: Step | None = None
         self._history: list[StepReport] = []
@@ -203,6 +217,7 @@ class Cap:
             self._extra_bytes,
             (args, kwargs),
             [] if previous is None else [e.name for e in previous.entries],
+            self.eviction,
         )
         if step.cuda is not None:
             torch.cuda.reset_peak_memory_stats(step.cuda)

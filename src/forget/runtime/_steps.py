@@ -36,11 +36,6 @@ when no region is left to evict, the cap cannot hold and the step stops with a
 `ForgetError` naming the estimate, after the model's buffers are put back as
 they were when the step began (a copy taken then, counted in ``now``).
 
-NOTE [eviction order]);
-when no region is left to evict, the cap cannot hold and the step stops with a
-`ForgetError` naming the estimate, after the model's buffers are put back as
-they were when the step began (a copy taken then, counted in ``now``).
-
 NOTE [eviction order]: a region may be evicted once its forward has returned,
 and a region with candidate regions inside only once they are all evicted (its
 slots hold their inputs: evicting it first would re-run them all to rebuild
@@ -69,7 +64,7 @@ and, in turn, one region inside it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +74,38 @@ from torch import nn
 from ..engine import DroppableRegion, StorageKey, storage_key, storage_of
 from ..errors import ForgetError
 
-__all__ = ["Step", "StepReport", "tensors_in"]
+__all__ = ["EVICTIONS", "Step", "StepReport", "tensors_in"]
 
 # How many regions ahead the forward's reserve looks, in the last step's order.
 _AHEAD = 3
+
+
+def _dtr(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
+    return freed_bytes * staleness / max(cost_s, 1e-9)
+
+
+def _largest(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
+    return freed_bytes
+
+
+def _first_run(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
+    return -index
+
+
+def _cheapest_per_byte(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
+    return freed_bytes / max(cost_s, 1e-9)
+
+
+#: Eviction orders by name (NOTE [eviction order]): each scores an evictable region
+#: from the bytes evicting it frees, its staleness in region boundaries, its forward
+#: time and its position in the forward; the highest score goes first, the earliest
+#: region on a tie.
+EVICTIONS: dict[str, Callable[[int, int, float, int], float]] = {
+    "dtr": _dtr,
+    "largest": _largest,
+    "first_run": _first_run,
+    "cheapest_per_byte": _cheapest_per_byte,
+}
 
 
 @dataclass(frozen=True)
@@ -95,12 +118,16 @@ class StepReport:
         estimated_peak_bytes: the largest estimate of the step's peak at a region
             boundary, after evictions (NOTE [the cap's count]).
         budget_bytes: the cap in force.
+        evicted_forward_s: the forward time of the evicted regions as the step
+            measured it (a region's includes the regions inside it): about what
+            their re-runs in backward cost.
     """
 
     regions: tuple[str, ...]
     evicted: tuple[str, ...]
     estimated_peak_bytes: int
     budget_bytes: int
+    evicted_forward_s: float = 0.0
 
 
 class _Entry:
@@ -148,6 +175,7 @@ class Step:
             when it last ran, and whether it ran no region inside (updated by the step).
         extra_bytes: a learned addition to the reserve (CUDA).
         order: the names of the regions the last step ran, in order.
+        eviction: the name of the eviction order (`EVICTIONS`).
         inputs: the step's inputs (the model's arguments): made before the step,
             they are not counted; their elements scale learned sizes.
     """
@@ -160,8 +188,10 @@ class Step:
         extra_bytes: int,
         inputs: Any,
         order: list[str],
+        eviction: str = "dtr",
     ) -> None:
         self.budget_bytes = budget_bytes
+        self._score = EVICTIONS[eviction]
         self.learned = learned
         self.extra_bytes = extra_bytes
         given = tensors_in(inputs)
@@ -169,6 +199,7 @@ class Step:
         self.entries: list[_Entry] = []
         self.running: list[_Entry] = []
         self.evicted: list[str] = []
+        self.evicted_forward_s = 0.0
         self.estimated_peak_bytes = 0
         self.closed = False
         self.rooted = False  # begun by the model's forward
@@ -379,8 +410,7 @@ class Step:
             if freed == 0 or (last and self._peak_at <= entry.last):
                 continue
             staleness = self.boundaries - entry.end + 1
-            # DTR's h = cost / (bytes * staleness), smallest first (NOTE [eviction order]).
-            score = freed * staleness / max(entry.cost_s, 1e-9)
+            score = self._score(freed, staleness, entry.cost_s, entry.index)
             if best is None or score > best_score:
                 best, best_score = entry, score
         return best
@@ -396,6 +426,7 @@ class Step:
             if holders is not None and entry in holders:
                 holders.remove(entry)
         self.evicted.append(entry.name)
+        self.evicted_forward_s += entry.cost_s
 
     def _put_back_buffers(self) -> None:
         with torch.no_grad():
@@ -408,6 +439,7 @@ class Step:
             evicted=tuple(self.evicted),
             estimated_peak_bytes=self.estimated_peak_bytes,
             budget_bytes=self.budget_bytes,
+            evicted_forward_s=self.evicted_forward_s,
         )
 
 
