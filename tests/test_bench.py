@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 
 import pytest
@@ -375,3 +376,107 @@ def test_instruction_counter_step_runs_each_variant(monkeypatch):
         torch.set_num_threads(threads)  # _step runs one thread, as under valgrind
     assert calls == ["on", "off"] * len(script.VARIANTS)
     assert gc.isenabled()  # the counted step turns collection off only while it runs
+
+
+def _fake_rounds(calls, repeats, **_):
+    # Every step still runs once (a real step); each (variant, shape) gets rounds whose
+    # per-round ratio to plain at its shape is 1.5, 2.0 and 4.0: median 2.0.
+    for call in calls.values():
+        call()
+    return {key: [3.0, 4.0, 8.0] if key[0] != "plain" else [2.0, 2.0, 2.0] for key in calls}
+
+
+class _CheckpointEveryBlock:
+    """Stands in for forget.plan (minutes of measured steps; the planner has its own
+    tests): what it was asked, and a plan that checkpoints every block."""
+
+    def __init__(self):
+        self.asked = []
+
+    def __call__(self, model, x, target, *, budget):
+        self.asked.append((tuple(x.shape), budget))
+        return self
+
+    def apply(self, model):
+        def runner(h):
+            for block in model.blocks:
+                h = forget.checkpoint(block, h)
+            return h
+
+        model.blocks_runner = runner
+
+
+def test_cap_rows_run_varying_shapes_beside_a_plan_and_checkpointing(monkeypatch):
+    from forget.cli import _bench_cap
+
+    plan = _CheckpointEveryBlock()
+    monkeypatch.setattr(_bench_cap, "time_calls", _fake_rounds)
+    monkeypatch.setattr(forget, "plan", plan)
+    result = _bench_cap.run("residual_mlp", share=0.9, size="tiny", repeats=1)
+    data = json.loads(json.dumps(result.as_json()))
+    model = build_model("residual_mlp", "tiny").train()
+    x, target = model.example_input(generator=torch.Generator().manual_seed(0))
+    plain = forget.measure(model.step, x, target).peak_bytes
+    assert (data["share"], data["plain_peak_bytes"]) == (0.9, plain)
+    assert data["budget_bytes"] == int(0.9 * plain)
+    assert plan.asked == [((64, x.shape[1]), data["budget_bytes"])]  # at the largest shape
+    assert data["largest"] == "batch 64"
+    rows = data["rows"]
+    assert [(r["variant"], r["shape"]) for r in rows] == [
+        *(("cap", f"batch {n}") for n in (32, 64, 16, 48)),
+        *((v, "batch 64") for v in ("plan", "torch_checkpoint", "forget")),
+    ]
+    capped = rows[:4]
+    assert all(r["peak_bytes"] <= data["budget_bytes"] for r in capped)
+    assert all(r["grads_equal_to_plain"] for r in capped)
+    assert sum(r["evicted"] for r in capped) > 0  # the cap did evict
+    assert rows[4]["peak_bytes"] == rows[6]["peak_bytes"]  # the plan's step was measured
+    assert all(r["time_vs_plain"] == 2.0 and r["step_s"] == 4.0 for r in rows)
+    out = _bench_cap.format_rows(result).splitlines()
+    start = 0
+    assert out[0].startswith("forget.cap on residual_mlp, shapes varying step to step")
+    assert out[start + 1].split() == [
+        *("variant", "shape", "peak", "MiB", "peak/cap", "evicted", "step", "ms", "time/plain")
+    ]
+    cells = out[start + 3].split()
+    assert cells[:3] == ["cap", "batch", "32"]
+    share = f"{capped[0]['peak_bytes'] / data['budget_bytes']:.2f}"
+    evicted = f"{capped[0]['evicted']}/{capped[0]['regions']}"
+    assert cells[4:] == [share, evicted, "4000.0", "2.00x"]
+
+
+def test_cap_rows_report_a_capped_step_unlike_plain_and_a_plan_that_cannot_fit(
+    monkeypatch, tmp_path, capsys
+):
+    from forget.cli import _bench_cap
+
+    def no_plan(*args, budget, **kwargs):
+        message = f"forget: the budget {budget:,} B is below it; no"
+        raise forget.BudgetInfeasibleError(message, budget_bytes=budget, min_feasible_bytes=10**9)
+
+    cap = forget.cap
+
+    def wrong_cap(model, budget):  # a cap that changed what the step computes
+        model.blocks[0].register_forward_hook(lambda module, args, out: out * 2.0)
+        return cap(model, budget)
+
+    monkeypatch.setattr(_bench_cap, "time_calls", _fake_rounds)
+    monkeypatch.setattr(forget, "plan", no_plan)
+    monkeypatch.setattr(forget, "cap", wrong_cap)
+    path = tmp_path / "cap.json"
+    argv = [*TINY, "--models", "mlp", "--no-launch", "--cap", "0.9", "--json", str(path)]
+    assert _bench.main(argv) == 1
+    assert list(json.loads(path.read_text())["cap"]) == ["residual_mlp"]
+    out, err = capsys.readouterr()
+    assert "MISMATCH" in err
+    assert "cap: residual_mlp at batch 32: loss or gradients differ from plain" in err
+    assert re.search(r"^plan +batch 64 +\(the budget [\d,]+ B is below it\)$", out, re.M)
+
+
+@pytest.mark.parametrize("share", ["150%", "0", "half"], ids=["above-plain", "zero", "no-share"])
+def test_cap_share_is_checked_before_anything_runs(share, monkeypatch, capsys):
+    monkeypatch.setattr(_bench, "run", None)  # must not be reached
+    assert _bench.main([*TINY, "--cap", share]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"forget: --cap takes a share of the plain step's peak, such as 50% or 0.5, got {share!r}"
+    )

@@ -24,7 +24,9 @@ is printed loudly and the command exits with status 1.
 After the models' table come the launch-bound row (`_bench_launch`: one
 region over a chain of 300 tiny elementwise ops, the cost per op of
 checkpointing where launches dominate; ``--no-launch`` skips it) and the
-selective-recomputation rows on the GPT blocks (`_bench_selective`).
+selective-recomputation rows on the GPT blocks (`_bench_selective`); with
+``--cap``, per model, `forget.cap` over steps of varying shapes beside a plan
+and layer checkpointing at the largest (`_bench_cap`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from forget import ForgetError
 from ..models import MODEL_NAMES, SIZES, BlockWrapper, build_model
 from ..planning import time_calls
 from ..schedules import MIB
+from . import _bench_cap
 from ._common import Progress, mib, require_matplotlib, wrote
 
 VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")
@@ -372,6 +375,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the launch-bound row (a chain of 300 small elementwise ops)",
     )
+    p.add_argument(
+        "--cap",
+        nargs="?",
+        const="50%",
+        metavar="SHARE",
+        help="add the capped rows: per model, forget.cap over steps of varying shapes, "
+        "capped at SHARE (default 50%%) of the plain peak at the largest, beside a plan "
+        "at that budget and every block checkpointed (plans each model: minutes at the "
+        "default size)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or notes")
     return p
 
@@ -408,6 +421,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"forget: --quick contradicts --size {args.size}; give one.", file=sys.stderr)
         return 2
     size = args.size or ("quick" if args.quick else "default")
+    try:
+        share = None if args.cap is None else _bench_cap.parse_share(args.cap)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if args.plot is not None:
         try:
             require_matplotlib("--plot")
@@ -449,6 +467,16 @@ def main(argv: Sequence[str]) -> int:
         bad = [v for v, row in selective.items() if not row["loss_equal_to_plain"]]
         if bad:
             result.problems.append(f"selective: loss differs from plain in {', '.join(bad)}")
+    if share is not None:
+        payload["cap"] = {}
+        for name in names:
+            capped = _bench_cap.run(
+                name, share=share, size=size, repeats=args.repeats, seed=args.seed
+            )
+            payload["cap"][name] = capped.as_json()
+            print()
+            print(_bench_cap.format_rows(capped))
+            result.problems += capped.problems()
     if args.json is not None:
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     if args.json is not None:
