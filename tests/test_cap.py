@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import forget
+from forget.runtime import EVICTIONS
 
 
 class Block(nn.Module):
@@ -105,6 +106,29 @@ def test_every_step_within_the_cap_by_the_ledger(share: float) -> None:
         peak = forget.measure(_step, net, _x(batch)).peak_bytes
         assert peak <= budget, (batch, peak, budget, handle.last_step)
     assert any(report.evicted for report in handle.steps)
+
+
+@pytest.mark.parametrize("eviction", list(EVICTIONS))
+def test_every_eviction_order_keeps_the_cap_and_the_plain_gradients(eviction: str) -> None:
+    plain, capped = _net(), _net()
+    budget = int(0.8 * _plain_peak(64))
+    handle = forget.cap(capped, budget, eviction=eviction)
+    _step(plain, _x(64))
+    assert forget.measure(_step, capped, _x(64)).peak_bytes <= budget
+    assert _equal(_state(plain)[0], _state(capped)[0])
+    assert _equal(_state(plain)[1], _state(capped)[1])
+    report = handle.last_step
+    assert report is not None and report.evicted and report.evicted_forward_s > 0
+    if eviction == "first_run":  # the regions go in the order the forward ran them
+        where = [report.regions.index(name) for name in report.evicted]
+        assert where == sorted(where), report
+
+
+def test_an_unknown_eviction_order_names_the_known_ones() -> None:
+    net = _net()
+    with pytest.raises(ValueError, match=r"no eviction order named 'lru'; expected one of 'dtr'"):
+        forget.cap(net, 10**6, eviction="lru")
+    assert not any("forward" in m.__dict__ for m in net.modules())
 
 
 def test_a_large_last_region_is_within_the_cap_by_the_ledger() -> None:

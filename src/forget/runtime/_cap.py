@@ -67,7 +67,7 @@ def cap(
             candidates]).
         eviction: which region goes first when the step must give memory back,
             by name: ``"dtr"`` (the default: DTR's cost / (bytes x staleness)),
-            ``"largest"``, ``"first_run"`` or ``"cheapest_per_byte"`` (NOTE
+            ``"largest"``, ``"first_run"``, ``"cheapest_per_byte"`` or ``"best_fit"`` (NOTE
             [eviction order]).
 
     Returns:

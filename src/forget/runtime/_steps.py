@@ -80,31 +80,39 @@ __all__ = ["EVICTIONS", "Step", "StepReport", "tensors_in"]
 _AHEAD = 3
 
 
-def _dtr(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
+def _dtr(freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int) -> float:
     return freed_bytes * staleness / max(cost_s, 1e-9)
 
 
-def _largest(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
+def _largest(freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int) -> float:
     return freed_bytes
 
 
-def _first_run(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
+def _first_run(freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int) -> float:
     return -index
 
 
-def _cheapest_per_byte(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
+def _cheapest_per_byte(
+    freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int
+) -> float:
     return freed_bytes / max(cost_s, 1e-9)
+
+
+def _best_fit(freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int) -> float:
+    # The smallest region that brings the estimate under the cap, else the largest.
+    return float(2**62 - freed_bytes) if freed_bytes >= excess else freed_bytes
 
 
 #: Eviction orders by name (NOTE [eviction order]): each scores an evictable region
 #: from the bytes evicting it frees, its staleness in region boundaries, its forward
-#: time and its position in the forward; the highest score goes first, the earliest
-#: region on a tie.
-EVICTIONS: dict[str, Callable[[int, int, float, int], float]] = {
+#: time, its position in the forward and the bytes the estimate passes the cap by;
+#: the highest score goes first, the earliest region on a tie.
+EVICTIONS: dict[str, Callable[[int, int, float, int, int], float]] = {
     "dtr": _dtr,
     "largest": _largest,
     "first_run": _first_run,
     "cheapest_per_byte": _cheapest_per_byte,
+    "best_fit": _best_fit,
 }
 
 
@@ -376,7 +384,7 @@ class Step:
         self.boundaries += 1
         estimate = self.estimate_bytes(last)
         while estimate > self.budget_bytes:
-            victim = self._pick(last)
+            victim = self._pick(last, estimate - self.budget_bytes)
             if victim is None:
                 self._put_back_buffers()
                 raise ForgetError(
@@ -401,7 +409,7 @@ class Step:
             if all(_dropped(child) for child in entry.children):
                 yield entry
 
-    def _pick(self, last: bool) -> _Entry | None:
+    def _pick(self, last: bool, excess: int) -> _Entry | None:
         best, best_score = None, 0.0
         for entry in self._evictable():
             freed = sum(self._live[k][0] for k in entry.keys if self._live.get(k, (0, 0))[1] == 1)
@@ -410,7 +418,7 @@ class Step:
             if freed == 0 or (last and self._peak_at <= entry.last):
                 continue
             staleness = self.boundaries - entry.end + 1
-            score = self._score(freed, staleness, entry.cost_s, entry.index)
+            score = self._score(freed, staleness, entry.cost_s, entry.index, excess)
             if best is None or score > best_score:
                 best, best_score = entry, score
         return best
