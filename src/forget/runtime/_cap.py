@@ -42,7 +42,7 @@ def cap(
     budget: int | float | str,
     *,
     candidates: str | type | Iterable[str | type] | None = None,
-    eviction: str = "dtr",
+    eviction: str = "largest",
 ) -> Cap:
     """Keep every training step of ``model`` under ``budget`` bytes, in place, with no plan.
 
@@ -66,9 +66,9 @@ def cap(
             the repeated blocks and the modules around them (NOTE [tree
             candidates]).
         eviction: which region goes first when the step must give memory back,
-            by name: ``"dtr"`` (the default: DTR's cost / (bytes x staleness)),
-            ``"largest"``, ``"first_run"``, ``"cheapest_per_byte"`` or ``"best_fit"`` (NOTE
-            [eviction order]).
+            by name: ``"largest"`` (the default: the most bytes freed), ``"dtr"``
+            (DTR's least cost / (bytes x staleness)), ``"first_run"`` or
+            ``"cheapest_per_byte"`` (NOTE [eviction order]).
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.
@@ -147,7 +147,7 @@ class Cap:
     """
 
     def __init__(
-        self, model: nn.Module, names: list[str], budget_bytes: int, eviction: str = "dtr"
+        self, model: nn.Module, names: list[str], budget_bytes: int, eviction: str = "largest"
     ) -> None:
         self.model = model
         self.names = tuple(names)

@@ -39,26 +39,33 @@ they were when the step began (a copy taken then, counted in ``now``).
 NOTE [eviction order]: a region may be evicted once its forward has returned,
 and a region with candidate regions inside only once they are all evicted (its
 slots hold their inputs: evicting it first would re-run them all to rebuild
-them). Among those, the runtime evicts the region with the least
+them). Among those, the runtime evicts the one whose eviction frees the most
+bytes (storages no other region or input holds), the one the forward ran first
+on a tie. Repeated blocks thus go from the first one on: backward needs them
+last, when the least memory is held, while those the forward ran last would be
+re-run at once, at backward's peak. At the forward's end only a region that
+lies before backward's modelled peak (in forward order) is worth evicting:
+backward meets it after the peak, and at the peak it then holds less; within
+its own span it is held again, rebuilt. So an enclosing region, whose slots
+hold the inputs of the regions inside, is evicted only when the peak falls
+after it. The regions a re-run starts in backward are plain forgotten regions
+(keeping nothing), so a re-run holds its own slots and, in turn, one region
+inside it.
 
-    cost_s / (freed_bytes * staleness)
-
-DTR's heuristic (Kirisame et al., ICLR 2021, "Dynamic Tensor
-Rematerialization", h_DTR = cost / (memory * staleness)), at region
-granularity: ``cost_s`` is the region's forward time, ``freed_bytes`` what
-evicting it frees (storages no other region or input holds), ``staleness`` the
-number of region boundaries since it returned. At the forward's end only a
-region that lies before backward's modelled peak (in forward order) is worth
-evicting: backward meets it after the peak, and at the peak it then holds
-less; within its own span it is held again, rebuilt. So an enclosing region,
-whose slots hold the inputs of the regions inside, is evicted only when the
-peak falls after it. Staleness also orders regions
-by backward: those the forward ran first are needed last in backward, where
-their re-run meets the least memory held; those it ran last would be re-run at
-once, at backward's peak. Repeated blocks (equal cost and bytes) are thus
-evicted from the first one on. The regions a re-run starts in backward are
-plain forgotten regions (keeping nothing), so a re-run holds its own slots
-and, in turn, one region inside it.
+Why the largest first, and not DTR's heuristic (Kirisame et al., ICLR 2021,
+"Dynamic Tensor Rematerialization": evict the least cost / (memory x
+staleness)), the anchor this began from and still ``eviction="dtr"``: side by
+side on four models at two caps, the largest first evicted no more regions
+than any other order and re-ran as many forward FLOPs as DTR's typical run;
+and its choice depends on bytes alone, so the same steps evict the same
+regions on every run. DTR's cost is a region's forward time, measured as the
+step runs: on a loaded machine it moves, and with it which region goes (three
+runs of the same steps evicted different sets, now cheaper, now dearer).
+Whole regions of one model mostly cost alike per byte (repeated blocks), so
+the cost adds little but noise. Known inefficiency: where regions do differ in
+cost per byte, the largest first ignores it; a cost counted rather than timed
+(FLOPs) would let DTR's order stay repeatable. `EVICTIONS` holds the orders
+measured (benchmarks/measured.md, "eviction orders").
 """
 
 from __future__ import annotations
@@ -80,39 +87,31 @@ __all__ = ["EVICTIONS", "Step", "StepReport", "tensors_in"]
 _AHEAD = 3
 
 
-def _dtr(freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int) -> float:
+def _dtr(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
     return freed_bytes * staleness / max(cost_s, 1e-9)
 
 
-def _largest(freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int) -> float:
+def _largest(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
     return freed_bytes
 
 
-def _first_run(freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int) -> float:
+def _first_run(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
     return -index
 
 
-def _cheapest_per_byte(
-    freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int
-) -> float:
+def _cheapest_per_byte(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
     return freed_bytes / max(cost_s, 1e-9)
-
-
-def _best_fit(freed_bytes: int, staleness: int, cost_s: float, index: int, excess: int) -> float:
-    # The smallest region that brings the estimate under the cap, else the largest.
-    return float(2**62 - freed_bytes) if freed_bytes >= excess else freed_bytes
 
 
 #: Eviction orders by name (NOTE [eviction order]): each scores an evictable region
 #: from the bytes evicting it frees, its staleness in region boundaries, its forward
-#: time, its position in the forward and the bytes the estimate passes the cap by;
-#: the highest score goes first, the earliest region on a tie.
-EVICTIONS: dict[str, Callable[[int, int, float, int, int], float]] = {
-    "dtr": _dtr,
+#: time and its position in the forward; the highest score goes first, the earliest
+#: region on a tie.
+EVICTIONS: dict[str, Callable[[int, int, float, int], float]] = {
     "largest": _largest,
+    "dtr": _dtr,
     "first_run": _first_run,
     "cheapest_per_byte": _cheapest_per_byte,
-    "best_fit": _best_fit,
 }
 
 
@@ -196,7 +195,7 @@ class Step:
         extra_bytes: int,
         inputs: Any,
         order: list[str],
-        eviction: str = "dtr",
+        eviction: str = "largest",
     ) -> None:
         self.budget_bytes = budget_bytes
         self._score = EVICTIONS[eviction]
@@ -384,7 +383,7 @@ class Step:
         self.boundaries += 1
         estimate = self.estimate_bytes(last)
         while estimate > self.budget_bytes:
-            victim = self._pick(last, estimate - self.budget_bytes)
+            victim = self._pick(last)
             if victim is None:
                 self._put_back_buffers()
                 raise ForgetError(
@@ -409,7 +408,7 @@ class Step:
             if all(_dropped(child) for child in entry.children):
                 yield entry
 
-    def _pick(self, last: bool, excess: int) -> _Entry | None:
+    def _pick(self, last: bool) -> _Entry | None:
         best, best_score = None, 0.0
         for entry in self._evictable():
             freed = sum(self._live[k][0] for k in entry.keys if self._live.get(k, (0, 0))[1] == 1)
@@ -418,7 +417,7 @@ class Step:
             if freed == 0 or (last and self._peak_at <= entry.last):
                 continue
             staleness = self.boundaries - entry.end + 1
-            score = self._score(freed, staleness, entry.cost_s, entry.index, excess)
+            score = self._score(freed, staleness, entry.cost_s, entry.index)
             if best is None or score > best_score:
                 best, best_score = entry, score
         return best
