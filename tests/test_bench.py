@@ -432,6 +432,7 @@ def test_cap_rows_run_varying_shapes_beside_a_plan_and_checkpointing(monkeypatch
     assert sum(r["evicted"] for r in capped) > 0  # the cap did evict
     assert rows[4]["peak_bytes"] == rows[6]["peak_bytes"]  # the plan's step was measured
     assert all(r["time_vs_plain"] == 2.0 and r["step_s"] == 4.0 for r in rows)
+    assert not any("note" in r for r in rows)  # a note only where a step did not run
     out = _bench_cap.format_rows(result).splitlines()
     start = 0
     assert out[0].startswith("forget.cap on residual_mlp, shapes varying step to step")
@@ -466,7 +467,10 @@ def test_cap_rows_report_a_capped_step_unlike_plain_and_a_plan_that_cannot_fit(
     path = tmp_path / "cap.json"
     argv = [*TINY, "--models", "mlp", "--no-launch", "--cap", "0.9", "--json", str(path)]
     assert _bench.main(argv) == 1
-    assert list(json.loads(path.read_text())["cap"]) == ["residual_mlp"]
+    rows = json.loads(path.read_text())["cap"]["residual_mlp"]["rows"]
+    assert [set(r) for r in rows if r["variant"] == "plan"] == [
+        {"variant", "shape", "note"}  # a note in place of the figures: it did not run
+    ]
     out, err = capsys.readouterr()
     assert "MISMATCH" in err
     assert "cap: residual_mlp at batch 32: loss or gradients differ from plain" in err

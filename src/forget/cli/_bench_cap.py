@@ -65,7 +65,7 @@ class CapRow:
     step_s: float | None = None
     time_vs_plain: float | None = None
     grads_equal_to_plain: bool | None = None
-    note: str = ""
+    note: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {key: value for key, value in self.__dict__.items() if value is not None}
