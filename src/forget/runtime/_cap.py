@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..engine import DroppableRegion, in_recomputing, run_region
 from ..errors import ForgetError
@@ -245,7 +246,9 @@ class Cap:
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
             step = self._begin(args, kwargs)
-        entry = step.enter(name)
+        entry = step.enter(
+            name, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        )
         start = time.perf_counter()
         try:
             region = DroppableRegion(original, args, kwargs)

@@ -112,6 +112,7 @@ class _Entry:
         "done",
         "end",
         "index",
+        "inputs",
         "keys",
         "largest",
         "last",
@@ -119,7 +120,9 @@ class _Entry:
         "name",
         "out",
         "parent",
+        "rebuilt",
         "ref",
+        "released",
         "size",
     )
 
@@ -128,7 +131,7 @@ class _Entry:
         self.parent = parent
         self.children: list[_Entry] = []
         self.ref: weakref.ref[DroppableRegion] | None = None
-        self.keys: list[StorageKey] = []
+        self.keys: dict[StorageKey, int] = {}  # held storages -> bytes
         self.cost_s = 0.0
         self.size = 0
         self.leaf = True
@@ -136,6 +139,12 @@ class _Entry:
         self.index = self.last = 0
         self.largest = self.out = 0
         self.done = False
+        # Storage key -> how often it is among the region's tensor inputs.
+        self.inputs: dict[StorageKey, int] = {}
+        # What its re-run makes: its held bytes less its inputs (read, not made again).
+        self.rebuilt = 0
+        # Held storages that are only inner regions' inputs -> the first such region.
+        self.released: dict[StorageKey, int] = {}
 
 
 class Step:
@@ -233,8 +242,12 @@ class Step:
             self._add(key, s.nbytes())
 
     # -- regions --------------------------------------------------------------
-    def enter(self, name: str) -> _Entry:
+    def enter(self, name: str, inputs: list[torch.Tensor]) -> _Entry:
         entry = _Entry(name, self.running[-1] if self.running else None)
+        for t in inputs:
+            if storage_of(t) is not None:
+                key = storage_key(t)
+                entry.inputs[key] = entry.inputs.get(key, 0) + 1
         entry.index = len(self.entries)
         if entry.parent is not None:
             entry.parent.children.append(entry)
@@ -254,11 +267,15 @@ class Step:
         for key, nbytes in region.held_bytes.items():
             self._add(key, nbytes)
             self._holders.setdefault(key, []).append(entry)
-            entry.keys.append(key)
+            entry.keys[key] = nbytes
         for key, nbytes in region.kept_bytes.items():
             self._add(key, nbytes)  # inputs: they stay while the region lives
             self._holders.setdefault(key, []).append(entry)
         entry.size = sum(region.held_bytes.values())
+        entry.rebuilt = entry.size - sum(
+            nbytes for key, nbytes in region.held_bytes.items() if key in entry.inputs
+        )
+        _find_released(entry, region)
         entry.leaf = not entry.children
         entry.last = len(self.entries) - 1
         entry.largest = max(region.held_bytes.values(), default=0)
@@ -295,7 +312,7 @@ class Step:
         owned = [0] * len(entries)
         for key, holders in self._holders.items():
             if holders and (record := self._live.get(key)) is not None:
-                owned[min(e.index for e in holders)] += record[0]
+                owned[min(e.released.get(key, e.index) for e in holders)] += record[0]
         fixed = max(0, now - sum(owned)) + self.gradient_bytes + self.model_output_bytes
         fixed += self.extra_bytes
         peak, where, running = fixed, -1, 0
@@ -306,11 +323,16 @@ class Step:
             dropped = _dropped(entry)
             if not entry.leaf:
                 continue
-            rebuilt = entry.size if dropped else 0
+            rebuilt = entry.rebuilt if dropped else 0
             outer = entry.parent
             while outer is not None:
                 if outer.done and _dropped(outer):
-                    rebuilt += outer.size
+                    # What the enclosing re-run rebuilt and backward has not yet let go.
+                    rebuilt += sum(
+                        nbytes
+                        for key, nbytes in outer.keys.items()
+                        if outer.released.get(key, i) <= i
+                    )
                 outer = outer.parent
             term = fixed + running + rebuilt + 2 * max(entry.largest, entry.out)
             if term > peak:
@@ -409,6 +431,20 @@ class Step:
             estimated_peak_bytes=self.estimated_peak_bytes,
             budget_bytes=self.budget_bytes,
         )
+
+
+def _find_released(entry: _Entry, region: DroppableRegion) -> None:
+    """Mark the held storages that backward lets go with an inner region, not with ``entry``.
+
+    NOTE [the cap's count]: an inner region's inputs go through the enclosing
+    region's pack (NOTE [nesting]); the slots that holds are kept by the inner
+    region, so they go once backward is through it. Only a storage every slot of
+    which is such an input is marked (an op of ``entry``'s own may save it too).
+    """
+    for key, slots in region.held_slots.items():
+        inner = [child for child in entry.children if key in child.inputs]
+        if inner and sum(child.inputs[key] for child in inner) == slots:
+            entry.released[key] = min(child.index for child in inner)
 
 
 def _dropped(entry: _Entry) -> bool:
