@@ -103,6 +103,8 @@ def cap(
         for name in find_candidates(model, candidates)
         if not isinstance(model.get_submodule(name), nn.ModuleList | nn.ModuleDict)
     ]
+    if candidates is None:
+        names = with_finer(model, names)
     if not names:
         raise ValueError(
             f"forget: {type(model).__name__} has no candidate region for a cap: no repeated "
@@ -111,6 +113,41 @@ def cap(
             "module type, or a list of them)."
         )
     return Cap(model, names, budget_bytes)
+
+
+def with_finer(model: nn.Module, names: list[str]) -> list[str]:
+    """``names`` and, inside each one-of-a-kind region, its children (NOTE [finer regions]).
+
+    NOTE [finer regions]: a repeated block holds a share of the step that falls
+    as the stack grows; a stem or a head is one of a kind and may hold as much
+    as many blocks (a CNN's stem runs at the input's resolution). Evicted whole,
+    its re-run in backward rebuilds all of it at once, beside two of its largest
+    gradients and every parameter's gradient (a stem meets backward last), more
+    than a tight cap leaves. So a default candidate with no candidate inside it,
+    whose type no other candidate has, gets its children (two or more) as
+    regions inside it: the runtime evicts them first, each re-run then holds one
+    child's activations, and the region itself, evicted only after them, still
+    frees the rest (the tensors between the children). The price is there only
+    when the cap needs it: evicted, the outer region and then each child re-run
+    once in backward. Repeated blocks stay whole: several regions per block
+    would multiply the wrappers' overhead by the depth, and evicting a block
+    whole re-runs it once.
+    """
+    known = set(names)
+    kinds = [type(model.get_submodule(name)) for name in names]
+    out = list(names)
+    for name, kind in zip(names, kinds, strict=True):
+        if kinds.count(kind) > 1 or any(other.startswith(f"{name}.") for other in known):
+            continue
+        children = [
+            f"{name}.{child}"
+            for child, module in model.get_submodule(name).named_children()
+            if not isinstance(module, nn.ModuleList | nn.ModuleDict)
+        ]
+        if len(children) > 1:
+            out += children
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(out, key=order.__getitem__)
 
 
 def budget_to_bytes(budget: int | float | str, device: torch.device) -> int:
