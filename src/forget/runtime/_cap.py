@@ -2,7 +2,8 @@
 
 NOTE [a cap, not a plan]: a plan is fixed for the shapes it measured; a cap
 decides at run time, step by step, from the shapes it sees. Every candidate
-region (the tree planner's, NOTE [tree candidates], or ``candidates=``) runs
+region (the tree planner's, NOTE [tree candidates], with finer regions inside
+a one-of-a-kind one, NOTE [finer regions]; or ``candidates=``) runs
 as a `forget.engine.DroppableRegion` (NOTE [droppable regions]): its saved
 tensors stay, as under plain autograd, until the runtime evicts it, and an
 evicted region re-runs in backward exactly as a forgotten one does. The
@@ -64,7 +65,8 @@ def cap(
         candidates: which submodules may be regions, as `forget.plan` takes
             them (a name pattern, a module type, or a list of them); default
             the repeated blocks and the modules around them (NOTE [tree
-            candidates]).
+            candidates]), with the children of a one-of-a-kind one (a stem)
+            as regions inside it (NOTE [finer regions]).
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.
@@ -104,7 +106,7 @@ def cap(
         if not isinstance(model.get_submodule(name), nn.ModuleList | nn.ModuleDict)
     ]
     if candidates is None:
-        names = with_finer(model, names)
+        names = _with_finer(model, names)
     if not names:
         raise ValueError(
             f"forget: {type(model).__name__} has no candidate region for a cap: no repeated "
@@ -115,7 +117,7 @@ def cap(
     return Cap(model, names, budget_bytes)
 
 
-def with_finer(model: nn.Module, names: list[str]) -> list[str]:
+def _with_finer(model: nn.Module, names: list[str]) -> list[str]:
     """``names`` and, inside each one-of-a-kind region, its children (NOTE [finer regions]).
 
     NOTE [finer regions]: a repeated block holds a share of the step that falls
@@ -127,11 +129,13 @@ def with_finer(model: nn.Module, names: list[str]) -> list[str]:
     whose type no other candidate has, gets its children (two or more) as
     regions inside it: the runtime evicts them first, each re-run then holds one
     child's activations, and the region itself, evicted only after them, still
-    frees the rest (the tensors between the children). The price is there only
-    when the cap needs it: evicted, the outer region and then each child re-run
-    once in backward. Repeated blocks stay whole: several regions per block
-    would multiply the wrappers' overhead by the depth, and evicting a block
-    whole re-runs it once.
+    frees the tensors between the children. The price is paid only when the cap
+    needs it: the region evicted, it and then each child re-run once in
+    backward. The choice is made when the cap is made, from the module tree
+    alone, so the first step, with nothing learned, has the finer regions too.
+    Repeated blocks stay whole: regions inside each would multiply the regions,
+    and their overhead, by the children per block, and a block evicted after
+    its children re-runs twice. Figures: benchmarks/measured.md ("forget.cap").
     """
     known = set(names)
     kinds = [type(model.get_submodule(name)) for name in names]

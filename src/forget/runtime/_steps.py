@@ -21,22 +21,31 @@ the held bytes of the latest region with none inside, or of the next few as
 the last step ran them (learned per candidate, scaled by the input's elements),
 plus the largest storage once more (made, not yet saved). At the forward's end
 it is backward's peak, modelled region by region in backward's order: backward
-holds, at a region with none inside, what the regions up to it hold and keep (an evicted
-one counted while backward is inside it: rebuilt, with every evicted region
-around it), two gradients of its largest tensor or output (of an op's output
-and input at once), and throughout what no region
-holds, every gradient of the parameters that had none, and the model's output
-once more (a loss outside the model saves about that much). The model is
-conservative (the tests and benchmarks/measured.md give the measured peaks
-against it); on CUDA the allocator's peak above a step's estimate is added to
-the next steps' reserve, which so learns what the model missed.
+holds, at a region with none inside, what the regions up to it hold and keep (an
+evicted one counted while backward is inside it: rebuilt, with what the evicted
+regions around it rebuilt and backward has not yet let go), two gradients of its
+largest tensor or output (of an op's output and input at once), and throughout
+what no region holds, every gradient of the parameters that had none, and the
+model's output once more (a loss outside the model saves about that much).
+
+A storage goes once backward is through the first region (in the forward's
+order) that holds or keeps it, with one exception: the slots in which a region
+holds the inputs of the regions inside it (NOTE [nesting]) are kept by those
+inner regions, so such a storage goes with the first of them, not with the
+outer region, which the forward entered before them (counted only where every
+slot of the outer region that holds it is such an input: an op of its own may
+save it too). A re-run reads its inputs; it does not make them again, so an
+evicted region's rebuilt bytes leave out the inputs it holds. Counting both
+with the outer region, as an earlier model did, added a ResNet stem's output
+(and with finer regions, NOTE [finer regions], its pooling's input) to every
+region's term in backward; the figures are in benchmarks/measured.md.
+
+The model is conservative (the tests and benchmarks/measured.md give the
+measured peaks against it); on CUDA the allocator's peak above a step's
+estimate is added to the next steps' reserve, which so learns what the model
+missed.
 
 While the estimate passes the cap, regions are evicted (NOTE [eviction order]);
-when no region is left to evict, the cap cannot hold and the step stops with a
-`ForgetError` naming the estimate, after the model's buffers are put back as
-they were when the step began (a copy taken then, counted in ``now``).
-
-NOTE [eviction order]);
 when no region is left to evict, the cap cannot hold and the step stops with a
 `ForgetError` naming the estimate, after the model's buffers are put back as
 they were when the step began (a copy taken then, counted in ``now``).
