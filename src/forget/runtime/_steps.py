@@ -16,7 +16,10 @@ the runtime counts ``now``, the bytes the step holds:
   forward sees them), each storage once; never parameters, buffers or the
   step's inputs, which were there before it.
 
-Inside the forward, the estimate is ``now`` plus what the next region may add:
+Inside the forward, the estimate is ``now``, plus on CPU the regions' outputs
+alive that no region holds yet (the activation the next region takes: on a
+small CNN its 12 kB, left out, let the first step pass its cap by 1 %), plus
+what the next region may add:
 the held bytes of the latest region with none inside, or of the next few as
 the last step ran them (learned per candidate, scaled by the input's elements),
 plus the largest storage once more (made, not yet saved). At the forward's end
@@ -197,6 +200,8 @@ class Step:
         # storage key -> the regions holding or keeping it (NOTE [the cap's count]).
         self._holders: dict[StorageKey, list[_Entry]] = {}
         self.now_bytes = 0
+        # The regions' outputs: alive until used, held by no region before that.
+        self._outputs: list[weakref.ref[torch.Tensor]] = []
         self.model_output_bytes = 0
         self.largest_bytes = 0
         self._peak_at = -1
@@ -289,6 +294,7 @@ class Step:
         entry.last = len(self.entries) - 1
         entry.largest = max(region.held_bytes.values(), default=0)
         entry.out = _tensor_bytes(out)
+        self._outputs += [weakref.ref(t) for t in tensors_in(out)]
         self.largest_bytes = max(self.largest_bytes, entry.largest)
         self.learned[entry.name] = (entry.size, self.input_elements, entry.leaf)
         # A region run without the model's forward: any boundary may be the last.
@@ -367,9 +373,24 @@ class Step:
         else:
             now = self.now_bytes
         if not last:
-            return now + self._forward_reserve()
+            return now + self._loose_bytes() + self._forward_reserve()
         peak, self._peak_at = self._backward(now)
         return max(now, peak)
+
+    def _loose_bytes(self) -> int:
+        """On CPU, the regions' outputs alive that ``now`` does not count (NOTE [the cap's
+        count]): the activation the next region takes, a residual kept for later."""
+        if self.cuda is not None:
+            return 0  # the allocator's count has them
+        alive = [t for ref in self._outputs if (t := ref()) is not None]
+        self._outputs = [weakref.ref(t) for t in alive]
+        loose: dict[StorageKey, int] = {}
+        for t in alive:
+            if (s := storage_of(t)) is not None:
+                key = storage_key(t)
+                if key not in self._live and key not in self._external:
+                    loose[key] = s.nbytes()
+        return sum(loose.values())
 
     def settle(self, where: str, *, last: bool) -> None:
         """Evict regions while the estimate passes the cap (NOTE [eviction order])."""
