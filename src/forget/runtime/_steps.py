@@ -17,9 +17,9 @@ the runtime counts ``now``, the bytes the step holds:
   step's inputs, which were there before it.
 
 Inside the forward, the estimate is ``now``, plus on CPU the regions' outputs
-alive that no region holds yet (the activation the next region takes: on a
-small CNN its 12 kB, left out, let the first step pass its cap by 1 %), plus
-what the next region may add:
+alive that no region holds yet (the activation the next region takes; left
+out, a first step passed its cap, benchmarks/measured.md), plus what the next
+region may add:
 the held bytes of the latest region with none inside, or of the next few as
 the last step ran them (learned per candidate, scaled by the input's elements),
 plus the largest storage once more (made, not yet saved). At the forward's end
