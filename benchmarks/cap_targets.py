@@ -12,9 +12,10 @@ budget and layer checkpointing, medians of interleaved rounds. ``--floor`` adds,
 per shape, the peak with every default candidate region that has none inside it
 forgotten (`forget.apply_forget`): about the least any choice of those regions
 reaches, to tell a cap that cannot hold from a runtime that evicts badly.
+``--largest-first`` runs the largest shape first, with nothing learned.
 
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
-        [--times] [--rounds 5] [--floor]
+        [--times] [--rounds 5] [--floor] [--largest-first]
 """
 
 from __future__ import annotations
@@ -105,9 +106,11 @@ def peak(model: nn.Module, inputs: dict[str, Any]) -> int:
     return forget.measure(step_of(model, inputs), probe="profiler").peak_bytes
 
 
-def run_peaks(name: str) -> None:
+def run_peaks(name: str, largest_first: bool = False) -> None:
     make, shapes = models()[name]
     largest = max(shapes)
+    if largest_first:  # the hardest first step: nothing learned, the largest shape
+        shapes = (largest, *(shape for shape in shapes if shape != largest))
     model, big = make(largest)
     plain = peak(model, big)
     print(f"## {name}: plain peak at {largest} = {plain:,} B")
@@ -191,10 +194,11 @@ def main() -> None:
     parser.add_argument("--times", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--floor", action="store_true")
+    parser.add_argument("--largest-first", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
-        run_peaks(name)
+        run_peaks(name, args.largest_first)
         if args.floor:
             run_floor(name)
         if args.times:
