@@ -169,13 +169,13 @@ def _cnn() -> CNN:
     return CNN().train()
 
 
+def _image(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(batch))
+
+
 @functools.cache
 def _cnn_plain_peak() -> int:
     return forget.measure(_step, _cnn(), _image(8)).peak_bytes
-
-
-def _image(batch: int) -> torch.Tensor:
-    return torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(batch))
 
 
 def test_finer_regions_only_inside_a_one_of_a_kind_region() -> None:
