@@ -8,7 +8,11 @@ whose shapes vary (the largest last but one, a small one first) is measured step
 by step: peak / cap, regions evicted, the runtime's estimate. ``--times`` adds,
 at the largest shape, the capped step's time against plain (a cap never reached:
 1e12 bytes), against the cap at 50 %, and against a ``forget.plan`` at that
-budget and layer checkpointing, medians of interleaved rounds.
+budget and layer checkpointing, medians of interleaved rounds. ``--floor`` adds,
+per shape, the peak with every default candidate region that has none inside it
+forgotten (`forget.apply_forget`): about the least any choice of those regions
+reaches, to tell a cap that cannot hold from a runtime that evicts badly.
+``--largest-first`` runs the largest shape first, with nothing learned.
 
 ``--evictions dtr,largest,first_run,cheapest_per_byte`` runs the same caps once
 per eviction order (NOTE [eviction order]) instead, side by side: per order the
@@ -20,7 +24,7 @@ evicted regions' forward time as the cap's own records have it
 (`StepReport.evicted_forward_s`, a wall-clock figure).
 
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
-        [--times] [--rounds 5] [--evictions dtr,largest]
+        [--times] [--rounds 5] [--floor] [--largest-first] [--evictions dtr,largest]
 """
 
 from __future__ import annotations
@@ -112,9 +116,11 @@ def peak(model: nn.Module, inputs: dict[str, Any]) -> int:
     return forget.measure(step_of(model, inputs), probe="profiler").peak_bytes
 
 
-def run_peaks(name: str) -> None:
+def run_peaks(name: str, largest_first: bool = False) -> None:
     make, shapes = models()[name]
     largest = max(shapes)
+    if largest_first:  # the hardest first step: nothing learned, the largest shape
+        shapes = (largest, *(shape for shape in shapes if shape != largest))
     model, big = make(largest)
     plain = peak(model, big)
     print(f"## {name}: plain peak at {largest} = {plain:,} B")
@@ -137,6 +143,27 @@ def run_peaks(name: str) -> None:
             )
         handle.remove()
         print(f"  cap {share:.0%} = {budget:,} B: " + "; ".join(row))
+
+
+def run_floor(name: str) -> None:
+    make, shapes = models()[name]
+    model, big = make(max(shapes))
+    budget = peak(model, big)
+    names = forget.cap(copy.deepcopy(model), 10**12).names
+    leaves = [n for n in names if not any(other.startswith(f"{n}.") for other in names)]
+    row = []
+    for shape in shapes:
+        _, inputs = make(shape)
+        got = peak(forgotten_copy(model, leaves), inputs)
+        row.append(f"{shape}: {got:,} B ({got / budget:.3f} of plain at {max(shapes)})")
+    print(f"  every region with none inside forgotten ({len(leaves)}): " + "; ".join(row))
+
+
+def forgotten_copy(model: nn.Module, names: list[str]) -> nn.Module:
+    """A copy of ``model`` with the submodules ``names`` forgotten."""
+    forgotten = copy.deepcopy(model)
+    chosen = {id(forgotten.get_submodule(name)) for name in names}
+    return forget.apply_forget(forgotten, lambda m: id(m) in chosen)
 
 
 def region_flops(model: nn.Module, inputs: dict[str, Any], names: tuple[str, ...]) -> list[int]:
@@ -223,6 +250,8 @@ def main() -> None:
     parser.add_argument("--models", default="llama,gpt2,bert,resnet")
     parser.add_argument("--times", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--floor", action="store_true")
+    parser.add_argument("--largest-first", action="store_true")
     parser.add_argument("--evictions", default=None, help="compare these eviction orders")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -230,7 +259,9 @@ def main() -> None:
         if args.evictions:
             run_evictions(name, args.evictions.split(","))
             continue
-        run_peaks(name)
+        run_peaks(name, args.largest_first)
+        if args.floor:
+            run_floor(name)
         if args.times:
             run_times(name, args.rounds)
 

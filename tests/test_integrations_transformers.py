@@ -737,8 +737,14 @@ BUDGET_MODELS: dict[str, tuple[Callable[[], Any], Callable[[], Inputs]]] = {
     "vit": (_vit, _images),
     "resnet": (_resnet, _images),
 }
-BUDGETS = ("75%", "50%", "35%", "least")
-CASES = [(name, budget) for name in BUDGET_MODELS for budget in BUDGETS]
+# Every budget on a transformer and on the ResNet (BatchNorm); the others at 75 % and
+# their least (each an enable() that plans afresh: the suite's time). The first budget
+# fits, so the least is one measured, not the estimate an infeasible one names.
+BUDGETS = {
+    name: ("75%", "50%", "35%", "least") if name in ("llama", "resnet") else ("75%", "least")
+    for name in BUDGET_MODELS
+}
+CASES = [(name, budget) for name in BUDGET_MODELS for budget in BUDGETS[name]]
 
 
 def _step_of(model: Any, inputs: Inputs, seed: int) -> tuple[Step, dict[str, torch.Tensor]]:
@@ -797,7 +803,7 @@ def _enabled(name: str) -> Enabled:
     runs: dict[str, tuple[Any, TreePlan] | BudgetInfeasibleError] = {}
     least: int | None = None
     with _clock.using(_clock.FixedClock()):
-        for budget in BUDGETS:
+        for budget in BUDGETS[name]:
             copied = copy.deepcopy(model)
             try:
                 forget_hf.enable(
@@ -846,13 +852,18 @@ budget_cases = pytest.mark.parametrize(
 @budget_cases
 def test_budget_measured_peak_is_within_the_budget(enabled: Enabled, budget: str) -> None:
     model, plan = _run(enabled, budget, copied=False)
-    peak = _allocator_peak(model, enabled.inputs)
+    # A region's first step and its later ones may differ; the plan holds the larger
+    # (NOTE [first and later steps]), whichever this model's regions are at.
+    peak = max(_allocator_peak(model, enabled.inputs) for _ in range(2))
     print(
         f"{enabled.name} {budget}: budget {plan.budget_bytes:,} B, allocator peak {peak:,} B "
         f"(plain {enabled.plain_peak_bytes:,} B, least {plan.min_feasible_bytes:,} B), "
         f"not kept: {dict(plan.choices)}"
     )
-    assert peak == plan.measured_peak_bytes <= plan.budget_bytes < enabled.plain_peak_bytes
+    assert peak <= plan.measured_peak_bytes <= plan.budget_bytes < enabled.plain_peak_bytes
+    # The planner's steps may hold what the process makes once: GPT-2's at 75 %, run in a
+    # fresh process, 8,200 B above the steps here; 0 B after the module's other tests.
+    assert plan.measured_peak_bytes - peak <= 0.01 * plan.budget_bytes
     # Predicted (planning never runs the plain step: NOTE [tree figures]), close.
     assert abs(plan.plain_peak_bytes - enabled.plain_peak_bytes) <= 0.15 * enabled.plain_peak_bytes
     if budget == "least":

@@ -64,7 +64,8 @@ ENCODER = textwrap.dedent(
 )
 
 TABLE_HEADER = (
-    "budget  budget B  peak B  peak/budget  expected +ms  expected +%  measured +%  not kept"
+    "budget  budget B  peak B  peak/budget  expected +ms  expected +%  step ms  measured +%  "
+    "not kept"
 )
 
 
@@ -176,7 +177,8 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
 def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_clock, capsys):
     out_json = encoder_dir / "plan.json"
     argv = ["plan", str(encoder_dir / "plan_tree_encoder.py") + ":tensor_batch"]
-    argv += ["--candidate", "encoder.layers.?", "--budgets", "100", "--repeats", "1"]
+    # A size and a share: the profile runs unbounded (`profile_budget`), both infeasible.
+    argv += ["--candidate", "encoder.layers.?", "--budgets", "100,1%", "--repeats", "1"]
     assert cli_main([*argv, "--quiet", "--no-options", "--json", str(out_json)]) == 2
     captured = capsys.readouterr()
     payload = json.loads(out_json.read_text())
@@ -422,3 +424,37 @@ def test_candidate_needs_a_target(capsys):
     assert "--candidate picks the regions of a module:factory target" in capsys.readouterr().err
     assert cli_main(["plan", "--no-options", "--quiet"]) == 2
     assert "the reference models have none" in capsys.readouterr().err
+
+
+def test_below_the_plain_peak_the_plain_step_is_not_run(encoder_dir, fixed_clock, capsys):
+    # NOTE [the command within the budget]: the plain step would pass every budget.
+    out_json, png = encoder_dir / "plan.json", encoder_dir / "pareto.png"
+    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "min", "--repeats", "1"]
+    assert cli_main([*argv, "--json", str(out_json), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(out_json.read_text())
+    assert payload["plain_step_s"] is None
+    (row,) = payload["budgets"]
+    assert row["measured_overhead"] is None and row["step_s"] > 0
+    assert (
+        ": Net over its module tree, 7 candidate modules; plain step not run (above every "
+        "budget), peak "
+    ) in out
+    table = out[out.index(TABLE_HEADER.split()[0] + "  ") :].splitlines()
+    cells = table[2].split()
+    assert cells[0] == "min" and cells[5] == "-" and cells[7] == "-"
+    assert float(cells[6]) == pytest.approx(1e3 * row["step_s"], abs=1e-3)
+
+
+def test_a_size_below_the_forward_without_grad_stops_the_profile(encoder_dir, capsys):
+    # The profile runs within the largest budget asked (`profile_budget`): 100 B stops it.
+    out_json = encoder_dir / "plan.json"
+    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "100,60", "--repeats", "1"]
+    assert cli_main([*argv, "--quiet", "--json", str(out_json)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(
+        "forget plan: no budget of plan_tree_encoder:with_loss could be planned: forget: the "
+        "budget 100 B is below the smallest feasible one: Net's forward without grad"
+    )
+    assert err.endswith("raise the budget; did you mean 100%?")
+    assert not out_json.exists()

@@ -133,7 +133,8 @@ def test_profile_takes_the_factory_plan_takes(factory_dir, fixed_clock, capsys):
         f"torch {torch.__version__}",
         f"plain step: peak {data['plain_peak_bytes']:,} B "
         f"({forget.schedules.format_bytes(data['plain_peak_bytes'])}) by the allocator "
-        f"(profiler); ledger {plan.plain_ledger_peak_bytes:,} B",
+        f"(profiler), predicted (the plain step never runs); ledger "
+        f"{plan.plain_ledger_peak_bytes:,} B on fake tensors",
         "module                         kept B       input B     fwd ms",
     ]
     # A layer keeps its first Linear's and GELU's outputs, 2 x 16 x 32 floats, and its

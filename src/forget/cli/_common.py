@@ -91,8 +91,9 @@ def require_matplotlib(flag: str) -> None:
 def draw_plans(
     ax: Any,
     plain_peak_bytes: int,
-    plans: Sequence[tuple[int, float, float]],
+    plans: Sequence[tuple[int, float, float | None]],
     budgets: Sequence[tuple[str, int]] = (),
+    unit: str = "%",
 ) -> None:
     """Finish a Pareto axis (peak MiB against step-time overhead %): plain, plans, budgets, labels.
 
@@ -102,7 +103,10 @@ def draw_plans(
     and again at its measured time, which carries the run's timing noise.
     ``budgets``: ``(label, bytes)`` of each budget planned, a dashed vertical
     line each, named at the top: a plan lies on or left of its budget's line.
+    ``unit``: ``"%"`` as above, or ``"ms"``: times are seconds added, the plain
+    step was not timed, and a plan's measured overhead is None (not drawn).
     """
+    scale = 100.0 if unit == "%" else 1e3
     for i, (label, budget_bytes) in enumerate(budgets):
         ax.axvline(
             budget_bytes / MIB,
@@ -127,20 +131,23 @@ def draw_plans(
     )
     ax.plot(
         [peak / MIB for peak, _, _ in plans],
-        [100 * predicted for _, predicted, _ in plans],
+        [scale * predicted for _, predicted, _ in plans],
         "r*",
         markersize=11,
         label="our plans (measured peak, predicted time)",
     )
-    ax.plot(
-        [peak / MIB for peak, _, _ in plans],
-        [100 * measured for _, _, measured in plans],
-        "rx",
-        markersize=7,
-        label="our plans (measured peak, measured time, noisy)",
-    )
+    timed = [(peak, measured) for peak, _, measured in plans if measured is not None]
+    if timed:
+        ax.plot(
+            [peak / MIB for peak, _ in timed],
+            [scale * measured for _, measured in timed],
+            "rx",
+            markersize=7,
+            label="our plans (measured peak, measured time, noisy)",
+        )
     ax.set_xlabel("peak memory of one training step (MiB)")
-    ax.set_ylabel("time recomputation adds to a step (% of plain)")
+    what = "% of plain" if unit == "%" else "ms, predicted: the plain step was not run"
+    ax.set_ylabel(f"time recomputation adds to a step ({what})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 

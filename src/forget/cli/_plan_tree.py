@@ -17,6 +17,14 @@ every budget of ``--budgets`` (smallest first: NOTE [monotone in the budget]),
 times each plan's step beside the plain one (NOTE [paired rounds]), prints
 each plan's tree (`forget.TreePlan`'s own text) and a table of the budgets,
 and writes ``--json`` and the Pareto PNG (``--pareto``/``--plot``).
+
+NOTE [the command within the budget]: as `forget.plan` (NOTE [planning within
+the budget] in `forget.planning`), the command never holds more than it is
+asked to plan for: the profile runs within the largest budget of ``--budgets``
+(`profile_budget`), and the plain step is timed beside the plans only where
+it fits that budget by its predicted peak. Where it does not, each plan's
+step is timed alone, in milliseconds, and no share of the plain step's time
+is printed.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from ..errors import BudgetInfeasibleError
 from ..memory import frozen_heap
 from ..planning import TreePlan, TreePlanner, time_calls, untouched, zero_grads
 from ..policies import Policy
-from ..schedules import MIB
+from ..schedules import MIB, parse_budget
 from ._common import (
     Progress,
     UserStep,
@@ -59,7 +67,8 @@ class TreeBudget:
     label: str
     budget_bytes: int
     plan: TreePlan | None = None
-    overhead: float = 0.0
+    step_s: float = 0.0  # the planned step's median seconds
+    overhead: float | None = None  # over the plain step, where it was timed
 
 
 def run(
@@ -85,16 +94,29 @@ def run(
                 candidates=args.candidate or None,
                 options={} if args.no_options else options or None,
                 repeats=args.repeats,
+                budget=profile_budget(labels),
             )
             progress.update("profiled")
             rows = plan_budgets(planner, labels, lambda label: progress.update(label))
             # NOTE [paired rounds], over twice the rounds a selection takes, as for chains.
-            plain_s, overheads = time_plans(
-                planner, {r.label: r.plan for r in rows if r.plan is not None}, 2 * args.repeats
+            largest = max(row.budget_bytes for row in rows)
+            plain_s, times = time_plans(
+                planner,
+                {r.label: r.plan for r in rows if r.plan is not None},
+                2 * args.repeats,
+                plain=planner.plain_peak <= largest,  # NOTE [the command within the budget]
             )
             for row in rows:
-                row.overhead = overheads.get(row.label, 0.0)
+                row.step_s, row.overhead = times.get(row.label, (0.0, None))
             progress.update("timed")
+    except BudgetInfeasibleError as exc:  # the profile's forward passed the largest budget
+        progress.close()
+        print(
+            f"forget plan: no budget of {spec} could be planned: {exc}"
+            + next(filter(None, map(percent_hint, labels)), ""),
+            file=sys.stderr,
+        )
+        return 2
     except Exception as exc:  # NOTE [the user's errors] in ._common
         progress.close()
         line = step_error(exc, spec, step.model, args.traceback)
@@ -106,9 +128,10 @@ def run(
         progress.close()
     least = planner.least()
     if not args.quiet:
+        timed = "not run (above every budget)" if plain_s is None else f"{plain_s * 1e3:.3f} ms"
         print(
             f"forget plan {spec}: {type(step.model).__name__} over its module tree, "
-            f"{len(planner.tree) - 1} candidate modules; plain step {plain_s * 1e3:.3f} ms, "
+            f"{len(planner.tree) - 1} candidate modules; plain step {timed}, "
             f"peak {planner.plain_peak:,} B by the allocator ({planner.profile.probe}), predicted; "
             f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}"
         )
@@ -131,7 +154,8 @@ def run(
         print(
             "peak: the allocator's peak of one training step under the plan, always <= budget; "
             "expected: the re-runs the plan adds, from the profile, over the plain step's "
-            "measured time; measured: step time vs plain, side by side, median of paired rounds."
+            "measured time; step: its median time; measured: step time vs plain, side by "
+            "side, median of paired rounds (where the plain step fits the largest budget)."
         )
     if args.json is not None:
         payload = tree_json(spec, step, planner, rows, plain_s)
@@ -167,20 +191,46 @@ def plan_budgets(
     return rows
 
 
+def profile_budget(labels: Sequence[str]) -> int | str | None:
+    """The largest budget of ``labels``, for the profile (NOTE [the command within the budget]).
+
+    A share is of the plain peak, which only the profile predicts, so it cannot
+    be set against a size before: with both kinds (or ``min`` alone) the
+    profile runs unbounded.
+    """
+    sizes, shares = [], []
+    for label in labels:
+        if label == "min":
+            continue
+        try:
+            sizes.append(parse_budget(label))
+        except ValueError:  # a share: no plain peak to take it of yet
+            shares.append(label)
+    if sizes and not shares:
+        return max(sizes)
+    if shares and not sizes:
+        return max(shares, key=lambda label: parse_budget(label, 1 << 40))
+    return None
+
+
 def time_plans(
-    planner: TreePlanner, plans: Mapping[str, TreePlan], rounds: int
-) -> tuple[float, dict[str, float]]:
-    """The plain step's median seconds, and each plan's median overhead over it.
+    planner: TreePlanner, plans: Mapping[str, TreePlan], rounds: int, *, plain: bool = True
+) -> tuple[float | None, dict[str, tuple[float, float | None]]]:
+    """The plain step's median seconds, and each plan's median seconds and overhead over it.
 
     NOTE [paired rounds] (`forget.planning.paired_overheads`): the plain step
     runs in every round beside the plans, and a plan's overhead in a round is
     its time over plain's in that round, minus one. Plans are applied and
     removed between steps, untimed (``prepare``); the model is left as it was.
+    Without ``plain`` (a plain step that would not fit: NOTE [the command within
+    the budget]) the plans run alone: no plain time, no overheads (None).
     """
     step = planner.step
     model, target = step.model, step.target()
-    calls: dict[str | None, Callable[[], object]] = {None: step.run}
+    calls: dict[str | None, Callable[[], object]] = {None: step.run} if plain else {}
     calls.update(dict.fromkeys(plans, step.run))
+    if not calls:
+        return None, {}
     applied: list[str] = []
 
     def prepare(key: str | None) -> None:
@@ -197,19 +247,27 @@ def time_plans(
         finally:
             if applied:
                 plans[applied.pop()].remove(model)
-    plain = times.pop(None)
-    overheads = {
-        str(key): statistics.median(t / b - 1 for t, b in zip(ts, plain, strict=True))
+    if not plain:
+        return None, {str(key): (statistics.median(ts), None) for key, ts in times.items()}
+    base = times.pop(None)
+    figures: dict[str, tuple[float, float | None]] = {
+        str(key): (
+            statistics.median(ts),
+            statistics.median(t / b - 1 for t, b in zip(ts, base, strict=True)),
+        )
         for key, ts in times.items()
     }
-    return statistics.median(plain), overheads
+    return statistics.median(base), figures
 
 
 # ------------------------------------------------------------------ output
 
 
-def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
-    """The budgets as one aligned table: bytes, peak over budget, expected and measured time."""
+def format_tree_table(rows: Sequence[TreeBudget], plain_s: float | None) -> str:
+    """The budgets as one aligned table: bytes, peak over budget, expected and measured time.
+
+    Without ``plain_s`` (the plain step not run) the shares of its time are ``-``.
+    """
     header = (
         "budget",
         "budget B",
@@ -217,6 +275,7 @@ def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
         "peak/budget",
         "expected +ms",
         "expected +%",
+        "step ms",
         "measured +%",
         "not kept",
     )
@@ -224,7 +283,7 @@ def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
     for row in rows:
         plan = row.plan
         if plan is None:
-            cells.append((row.label, f"{row.budget_bytes:,}", "infeasible", *[""] * 5))
+            cells.append((row.label, f"{row.budget_bytes:,}", "infeasible", *[""] * 6))
             continue
         cells.append(
             (
@@ -233,8 +292,9 @@ def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
                 f"{plan.measured_peak_bytes:,}",
                 f"{plan.measured_peak_bytes / row.budget_bytes:.3f}",
                 f"{plan.predicted_extra_s * 1e3:.3f}",
-                f"{100 * plan.predicted_extra_s / plain_s:+.1f}%",
-                f"{100 * row.overhead:+.1f}%",
+                "-" if plain_s is None else f"{100 * plan.predicted_extra_s / plain_s:+.1f}%",
+                f"{row.step_s * 1e3:.3f}",
+                "-" if row.overhead is None else f"{100 * row.overhead:+.1f}%",
                 f"{len(plan.choices)} of {len(plan.tree) - 1}",
             )
         )
@@ -249,7 +309,11 @@ def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
 
 
 def tree_json(
-    spec: str, step: UserStep, planner: TreePlanner, rows: Sequence[TreeBudget], plain_s: float
+    spec: str,
+    step: UserStep,
+    planner: TreePlanner,
+    rows: Sequence[TreeBudget],
+    plain_s: float | None,
 ) -> dict[str, Any]:
     """The run as JSON: each budget's plan (`TreePlan.to_dict`) and every assignment measured."""
     budgets: list[dict[str, Any]] = []
@@ -258,7 +322,7 @@ def tree_json(
         if row.plan is None:
             entry.update(infeasible=True, min_feasible_bytes=planner.least())
         else:
-            entry.update(measured_overhead=row.overhead, plan=row.plan.to_dict())
+            entry.update(step_s=row.step_s, measured_overhead=row.overhead, plan=row.plan.to_dict())
         budgets.append(entry)
     return {
         "model": spec,
@@ -278,7 +342,7 @@ def tree_json(
 
 
 def write_tree_pareto(
-    spec: str, planner: TreePlanner, rows: Sequence[TreeBudget], plain_s: float, path: Path
+    spec: str, planner: TreePlanner, rows: Sequence[TreeBudget], plain_s: float | None, path: Path
 ) -> None:
     """Write a PNG: the allocator's peak against step-time overhead, for this model.
 
@@ -286,13 +350,17 @@ def write_tree_pareto(
     predicted re-runs over the plain step's measured time), the least of them
     joined into the measured trade-off curve; the baseline that forgets every
     innermost candidate, plain, and the plans as in the chain plot (`draw_plans`).
+    Without ``plain_s`` (NOTE [the command within the budget]) times are in
+    milliseconds added, and the plans' measured times are not drawn.
     """
     from matplotlib.figure import Figure  # lazy: an optional extra
 
     fig = Figure(figsize=(6.4, 4.8), layout="constrained")
     ax = fig.subplots()
+    # y: a share of the plain step's time in %, or milliseconds where it was not timed
+    scale = 1e3 if plain_s is None else 100 / plain_s
     points = sorted(
-        (peak / MIB, 100 * planner.extra_s(choices) / plain_s)
+        (peak / MIB, scale * planner.extra_s(choices))
         for choices, peak in planner.measured.values()
     )
     frontier: list[tuple[float, float]] = []
@@ -318,7 +386,7 @@ def write_tree_pareto(
     baseline = planner.baseline()
     ax.plot(
         [planner.peak(baseline) / MIB],
-        [100 * planner.extra_s(baseline) / plain_s],
+        [scale * planner.extra_s(baseline)],
         "kv",
         markersize=9,
         label="every innermost candidate forgotten (measured peak, predicted time)",
@@ -327,8 +395,12 @@ def write_tree_pareto(
     draw_plans(
         ax,
         planner.plain_peak,
-        [(p.measured_peak_bytes, p.predicted_extra_s / plain_s, over) for p, over in plans],
+        [
+            (p.measured_peak_bytes, p.predicted_extra_s / (plain_s or 1.0), over)
+            for p, over in plans
+        ],
         [(r.label, r.budget_bytes) for r in rows if r.plan is not None],
+        unit="%" if plain_s is not None else "ms",
     )
     model = type(planner.step.model).__name__
     # Two short lines, each wrapped to the figure's width: one long line was cut off.

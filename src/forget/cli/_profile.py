@@ -341,7 +341,8 @@ def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
     )
     print(
         f"plain step: peak {planner.plain_peak:,} B ({format_bytes(planner.plain_peak)}) by the "
-        f"allocator ({planner.profile.probe}); ledger {planner.profile.plain_ledger_peak_bytes:,} B"
+        f"allocator ({planner.profile.probe}), predicted (the plain step never runs); ledger "
+        f"{planner.profile.plain_ledger_peak_bytes:,} B on fake tensors"
     )
     print(format_tree_ledger(planner))
     print()

@@ -53,6 +53,8 @@ class DroppableRegion(Region):
             else holds them).
         kept_bytes: bytes of each storage the region saved that no region made
             (its inputs), by storage key: they stay when it is dropped.
+        held_slots: how many of the region's slots hold each storage of ``held_bytes``
+            (a runtime tells the inputs of inner regions among them).
         dropped: whether `drop` ran.
     """
 
@@ -66,6 +68,7 @@ class DroppableRegion(Region):
         super().__init__(func, args, kwargs, **options)
         self.held_bytes: dict[StorageKey, int] = {}
         self.kept_bytes: dict[StorageKey, int] = {}
+        self.held_slots: dict[StorageKey, int] = {}
         self.dropped = False
 
     def _pack(self, t: torch.Tensor) -> Slot:
@@ -81,7 +84,9 @@ class DroppableRegion(Region):
             value.requires_grad_()
         held = DroppableSlot(self, slot.index, value)
         self._live[slot.index] = weakref.ref(held)
-        _count(self.held_bytes, t)
+        key = _count(self.held_bytes, t)
+        if key is not None:
+            self.held_slots[key] = self.held_slots.get(key, 0) + 1
         return held
 
     def unpack(self, index: int) -> torch.Tensor:
@@ -113,10 +118,11 @@ class DroppableRegion(Region):
                 slot.value = None
 
 
-def _count(into: dict[StorageKey, int], t: torch.Tensor) -> None:
+def _count(into: dict[StorageKey, int], t: torch.Tensor) -> StorageKey | None:
     s = storage_of(t)
     if s is None:
-        return
+        return None
     key = storage_key(t)
     if key not in into:
         into[key] = s.nbytes()
+    return key

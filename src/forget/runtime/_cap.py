@@ -2,7 +2,8 @@
 
 NOTE [a cap, not a plan]: a plan is fixed for the shapes it measured; a cap
 decides at run time, step by step, from the shapes it sees. Every candidate
-region (the tree planner's, NOTE [tree candidates], or ``candidates=``) runs
+region (the tree planner's, NOTE [tree candidates], with finer regions inside
+a one-of-a-kind one, NOTE [finer regions]; or ``candidates=``) runs
 as a `forget.engine.DroppableRegion` (NOTE [droppable regions]): its saved
 tensors stay, as under plain autograd, until the runtime evicts it, and an
 evicted region re-runs in backward exactly as a forgotten one does. The
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..engine import DroppableRegion, in_recomputing, run_region
 from ..errors import ForgetError
@@ -64,7 +66,8 @@ def cap(
         candidates: which submodules may be regions, as `forget.plan` takes
             them (a name pattern, a module type, or a list of them); default
             the repeated blocks and the modules around them (NOTE [tree
-            candidates]).
+            candidates]), with the children of a one-of-a-kind one (a stem)
+            as regions inside it (NOTE [finer regions]).
         eviction: which region goes first when the step must give memory back,
             by name: ``"largest"`` (the default: the most bytes freed), ``"dtr"``
             (DTR's least cost / (bytes x staleness)), ``"first_run"`` or
@@ -112,6 +115,8 @@ def cap(
         for name in find_candidates(model, candidates)
         if not isinstance(model.get_submodule(name), nn.ModuleList | nn.ModuleDict)
     ]
+    if candidates is None:
+        names = _with_finer(model, names)
     if not names:
         raise ValueError(
             f"forget: {type(model).__name__} has no candidate region for a cap: no repeated "
@@ -120,6 +125,43 @@ def cap(
             "module type, or a list of them)."
         )
     return Cap(model, names, budget_bytes, eviction)
+
+
+def _with_finer(model: nn.Module, names: list[str]) -> list[str]:
+    """``names`` and, inside each one-of-a-kind region, its children (NOTE [finer regions]).
+
+    NOTE [finer regions]: a repeated block holds a share of the step that falls
+    as the stack grows; a stem or a head is one of a kind and may hold as much
+    as many blocks (a CNN's stem runs at the input's resolution). Evicted whole,
+    its re-run in backward rebuilds all of it at once, beside two of its largest
+    gradients and every parameter's gradient (a stem meets backward last), more
+    than a tight cap leaves. So a default candidate with no candidate inside it,
+    whose type no other candidate has, gets its children (two or more) as
+    regions inside it: the runtime evicts them first, each re-run then holds one
+    child's activations, and the region itself, evicted only after them, still
+    frees the tensors between the children. The price is paid only when the cap
+    needs it: the region evicted, it and then each child re-run once in
+    backward. The choice is made when the cap is made, from the module tree
+    alone, so the first step, with nothing learned, has the finer regions too.
+    Repeated blocks stay whole: regions inside each would multiply the regions,
+    and their overhead, by the children per block, and a block evicted after
+    its children re-runs twice. Figures: benchmarks/measured.md ("forget.cap").
+    """
+    known = set(names)
+    kinds = [type(model.get_submodule(name)) for name in names]
+    out = list(names)
+    for name, kind in zip(names, kinds, strict=True):
+        if kinds.count(kind) > 1 or any(other.startswith(f"{name}.") for other in known):
+            continue
+        children = [
+            f"{name}.{child}"
+            for child, module in model.get_submodule(name).named_children()
+            if not isinstance(module, nn.ModuleList | nn.ModuleDict)
+        ]
+        if len(children) > 1:
+            out += children
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(out, key=order.__getitem__)
 
 
 def budget_to_bytes(budget: int | float | str, device: torch.device) -> int:
@@ -260,7 +302,9 @@ class Cap:
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
             step = self._begin(args, kwargs)
-        entry = step.enter(name)
+        entry = step.enter(
+            name, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        )
         start = time.perf_counter()
         try:
             region = DroppableRegion(original, args, kwargs)

@@ -16,20 +16,37 @@ the runtime counts ``now``, the bytes the step holds:
   forward sees them), each storage once; never parameters, buffers or the
   step's inputs, which were there before it.
 
-Inside the forward, the estimate is ``now`` plus what the next region may add:
+Inside the forward, the estimate is ``now``, plus on CPU the regions' outputs
+alive that no region holds yet (the activation the next region takes; left
+out, a first step passed its cap, benchmarks/measured.md), plus what the next
+region may add:
 the held bytes of the latest region with none inside, or of the next few as
 the last step ran them (learned per candidate, scaled by the input's elements),
 plus the largest storage once more (made, not yet saved). At the forward's end
 it is backward's peak, modelled region by region in backward's order: backward
-holds, at a region with none inside, what the regions up to it hold and keep (an evicted
-one counted while backward is inside it: rebuilt, with every evicted region
-around it), two gradients of its largest tensor or output (of an op's output
-and input at once), and throughout what no region
-holds, every gradient of the parameters that had none, and the model's output
-once more (a loss outside the model saves about that much). The model is
-conservative (the tests and benchmarks/measured.md give the measured peaks
-against it); on CUDA the allocator's peak above a step's estimate is added to
-the next steps' reserve, which so learns what the model missed.
+holds, at a region with none inside, what the regions up to it hold and keep (an
+evicted one counted while backward is inside it: rebuilt, with what the evicted
+regions around it rebuilt and backward has not yet let go), two gradients of its
+largest tensor or output (of an op's output and input at once), and throughout
+what no region holds, every gradient of the parameters that had none, and the
+model's output once more (a loss outside the model saves about that much).
+
+A storage goes once backward is through the first region (in the forward's
+order) that holds or keeps it, with one exception: the slots in which a region
+holds the inputs of the regions inside it (NOTE [nesting]) are kept by those
+inner regions, so such a storage goes with the first of them, not with the
+outer region, which the forward entered before them (counted only where every
+slot of the outer region that holds it is such an input: an op of its own may
+save it too). A re-run reads its inputs; it does not make them again, so an
+evicted region's rebuilt bytes leave out the inputs it holds. Counting both
+with the outer region, as an earlier model did, added a ResNet stem's output
+(and with finer regions, NOTE [finer regions], its pooling's input) to every
+region's term in backward; the figures are in benchmarks/measured.md.
+
+The model is conservative (the tests and benchmarks/measured.md give the
+measured peaks against it); on CUDA the allocator's peak above a step's
+estimate is added to the next steps' reserve, which so learns what the model
+missed.
 
 While the estimate passes the cap, regions are evicted (NOTE [eviction order]);
 when no region is left to evict, the cap cannot hold and the step stops with a
@@ -146,6 +163,7 @@ class _Entry:
         "done",
         "end",
         "index",
+        "inputs",
         "keys",
         "largest",
         "last",
@@ -153,7 +171,9 @@ class _Entry:
         "name",
         "out",
         "parent",
+        "rebuilt",
         "ref",
+        "released",
         "size",
     )
 
@@ -162,7 +182,7 @@ class _Entry:
         self.parent = parent
         self.children: list[_Entry] = []
         self.ref: weakref.ref[DroppableRegion] | None = None
-        self.keys: list[StorageKey] = []
+        self.keys: dict[StorageKey, int] = {}  # held storages -> bytes
         self.cost_s = 0.0
         self.size = 0
         self.leaf = True
@@ -170,6 +190,12 @@ class _Entry:
         self.index = self.last = 0
         self.largest = self.out = 0
         self.done = False
+        # Storage key -> how often it is among the region's tensor inputs.
+        self.inputs: dict[StorageKey, int] = {}
+        # What its re-run makes: its held bytes less its inputs (read, not made again).
+        self.rebuilt = 0
+        # Held storages that are only inner regions' inputs -> the first such region.
+        self.released: dict[StorageKey, int] = {}
 
 
 class Step:
@@ -217,6 +243,8 @@ class Step:
         # storage key -> the regions holding or keeping it (NOTE [the cap's count]).
         self._holders: dict[StorageKey, list[_Entry]] = {}
         self.now_bytes = 0
+        # The regions' outputs: alive until used, held by no region before that.
+        self._outputs: list[weakref.ref[torch.Tensor]] = []
         self.model_output_bytes = 0
         self.largest_bytes = 0
         self._peak_at = -1
@@ -271,8 +299,12 @@ class Step:
             self._add(key, s.nbytes())
 
     # -- regions --------------------------------------------------------------
-    def enter(self, name: str) -> _Entry:
+    def enter(self, name: str, inputs: list[torch.Tensor]) -> _Entry:
         entry = _Entry(name, self.running[-1] if self.running else None)
+        for t in inputs:
+            if storage_of(t) is not None:
+                key = storage_key(t)
+                entry.inputs[key] = entry.inputs.get(key, 0) + 1
         entry.index = len(self.entries)
         if entry.parent is not None:
             entry.parent.children.append(entry)
@@ -292,15 +324,20 @@ class Step:
         for key, nbytes in region.held_bytes.items():
             self._add(key, nbytes)
             self._holders.setdefault(key, []).append(entry)
-            entry.keys.append(key)
+            entry.keys[key] = nbytes
         for key, nbytes in region.kept_bytes.items():
             self._add(key, nbytes)  # inputs: they stay while the region lives
             self._holders.setdefault(key, []).append(entry)
         entry.size = sum(region.held_bytes.values())
+        entry.rebuilt = entry.size - sum(
+            nbytes for key, nbytes in region.held_bytes.items() if key in entry.inputs
+        )
+        _find_released(entry, region)
         entry.leaf = not entry.children
         entry.last = len(self.entries) - 1
         entry.largest = max(region.held_bytes.values(), default=0)
         entry.out = _tensor_bytes(out)
+        self._outputs += [weakref.ref(t) for t in tensors_in(out)]
         self.largest_bytes = max(self.largest_bytes, entry.largest)
         self.learned[entry.name] = (entry.size, self.input_elements, entry.leaf)
         # A region run without the model's forward: any boundary may be the last.
@@ -333,7 +370,7 @@ class Step:
         owned = [0] * len(entries)
         for key, holders in self._holders.items():
             if holders and (record := self._live.get(key)) is not None:
-                owned[min(e.index for e in holders)] += record[0]
+                owned[min(e.released.get(key, e.index) for e in holders)] += record[0]
         fixed = max(0, now - sum(owned)) + self.gradient_bytes + self.model_output_bytes
         fixed += self.extra_bytes
         peak, where, running = fixed, -1, 0
@@ -344,11 +381,16 @@ class Step:
             dropped = _dropped(entry)
             if not entry.leaf:
                 continue
-            rebuilt = entry.size if dropped else 0
+            rebuilt = entry.rebuilt if dropped else 0
             outer = entry.parent
             while outer is not None:
                 if outer.done and _dropped(outer):
-                    rebuilt += outer.size
+                    # What the enclosing re-run rebuilt and backward has not yet let go.
+                    rebuilt += sum(
+                        nbytes
+                        for key, nbytes in outer.keys.items()
+                        if outer.released.get(key, i) <= i
+                    )
                 outer = outer.parent
             term = fixed + running + rebuilt + 2 * max(entry.largest, entry.out)
             if term > peak:
@@ -374,9 +416,24 @@ class Step:
         else:
             now = self.now_bytes
         if not last:
-            return now + self._forward_reserve()
+            return now + self._loose_bytes() + self._forward_reserve()
         peak, self._peak_at = self._backward(now)
         return max(now, peak)
+
+    def _loose_bytes(self) -> int:
+        """On CPU, the regions' outputs alive that ``now`` does not count (NOTE [the cap's
+        count]): the activation the next region takes, a residual kept for later."""
+        if self.cuda is not None:
+            return 0  # the allocator's count has them
+        alive = [t for ref in self._outputs if (t := ref()) is not None]
+        self._outputs = [weakref.ref(t) for t in alive]
+        loose: dict[StorageKey, int] = {}
+        for t in alive:
+            if (s := storage_of(t)) is not None:
+                key = storage_key(t)
+                if key not in self._live and key not in self._external:
+                    loose[key] = s.nbytes()
+        return sum(loose.values())
 
     def settle(self, where: str, *, last: bool) -> None:
         """Evict regions while the estimate passes the cap (NOTE [eviction order])."""
@@ -448,6 +505,20 @@ class Step:
             budget_bytes=self.budget_bytes,
             evicted_forward_s=self.evicted_forward_s,
         )
+
+
+def _find_released(entry: _Entry, region: DroppableRegion) -> None:
+    """Mark the held storages that backward lets go with an inner region, not with ``entry``.
+
+    NOTE [the cap's count]: an inner region's inputs go through the enclosing
+    region's pack (NOTE [nesting]); the slots that holds are kept by the inner
+    region, so they go once backward is through it. Only a storage every slot of
+    which is such an input is marked (an op of ``entry``'s own may save it too).
+    """
+    for key, slots in region.held_slots.items():
+        inner = [child for child in entry.children if key in child.inputs]
+        if inner and sum(child.inputs[key] for child in inner) == slots:
+            entry.released[key] = min(child.index for child in inner)
 
 
 def _dropped(entry: _Entry) -> bool:
