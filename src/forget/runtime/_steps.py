@@ -73,11 +73,12 @@ Why the largest first, and not DTR's heuristic (Kirisame et al., ICLR 2021,
 "Dynamic Tensor Rematerialization": evict the least cost / (memory x
 staleness)), the anchor this began from and still ``eviction="dtr"``: side by
 side on four models at two caps, the largest first evicted no more regions
-than any other order and re-ran as many forward FLOPs as DTR's typical run;
-and its choice depends on bytes alone, so the same steps evict the same
-regions on every run. DTR's cost is a region's forward time, measured as the
-step runs: on a loaded machine it moves, and with it which region goes (three
-runs of the same steps evicted different sets, now cheaper, now dearer).
+than any other order and re-ran no more forward FLOPs than DTR's typical run
+(fewer where regions differ most, a ResNet with a nested stem); and its
+choice depends on bytes alone, so the same steps evict the same regions on
+every run. DTR's cost is a region's forward time, measured as the step runs:
+on a loaded machine it moves, and with it which region goes (runs of the same
+steps evicted different sets, now cheaper, now dearer).
 Whole regions of one model mostly cost alike per byte (repeated blocks), so
 the cost adds little but noise. Known inefficiency: where regions do differ in
 cost per byte, the largest first ignores it; a cost counted rather than timed
