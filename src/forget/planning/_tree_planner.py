@@ -122,6 +122,7 @@ from ..memory import frozen_heap
 from ..policies import Policy
 from ._guard import Peak, guarded_peak
 from ._guard import budget_bytes as resolve_budget
+from ._heap import heap_returned
 from ._profile import _check_options
 from ._targets import untouched, zero_grads
 from ._timing import fastest_of, time_calls
@@ -203,6 +204,7 @@ class TreePlanner:
     """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
+    @heap_returned()  # NOTE [freed heap] in `._heap`
     def __init__(
         self,
         model: nn.Module,
@@ -464,6 +466,7 @@ class TreePlanner:
     # ------------------------------------------------------------ planning
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
+    @heap_returned()  # NOTE [freed heap] in `._heap`
     def plan(self, budget: int | float | str | None = None) -> TreePlan:
         """Return the fastest measured plan whose allocator peak fits ``budget``.
 
