@@ -3,22 +3,21 @@
 NOTE [freed heap]: planning must raise the process's resident memory by about
 the budget, not only hold the budget by the ledger (NOTE [planning within the
 budget] in `._tree_planner`). glibc's malloc serves a block below its mmap
-threshold from its heap and keeps it resident once freed, and the threshold
-rises to the size of every larger block freed (up to 32 MiB): after the first
-large tensor is freed, every activation lives in the heap. Each measured step
-allocates in another pattern, so the heap grows with the holes the steps
-before left, and its freed pages stay resident: planning's resident set rose
-two to four budgets while no step held more than one (benchmarks/measured.md).
-So planning runs with the threshold at `_PLANNING_THRESHOLD_BYTES`: a larger
-block is mapped for itself and returned when freed, and the resident set
-follows the bytes held. glibc has no getter for the threshold, and setting it
-ends the rising for good; so after planning it is set where the rising stops,
-`_AFTER_THRESHOLD_BYTES` (where a process that freed one block of 32 MiB is
-anyway), and the freed heap is trimmed (``malloc_trim``). A threshold
-the user set (``MALLOC_MMAP_THRESHOLD_`` or the ``glibc.malloc.mmap_threshold``
-tunable) is left as it is. Another C library, or glibc's malloc replaced (a
-preloaded jemalloc), is not touched: ``mallopt`` then configures no allocator
-in use, which is harmless, but the figures above are glibc's.
+threshold from its heap, whose freed pages stay resident, and the threshold
+rises to each larger mapped block freed, up to 32 MiB: soon every activation
+comes from the heap. Each measured step allocates in another pattern, so the
+heap grows by the holes the steps before left, and the resident set with it,
+while no step holds more than the budget (benchmarks/measured.md). So while
+planning the threshold is `_PLANNING_THRESHOLD_BYTES`: a larger block is mapped
+for itself and unmapped when freed. This is a process-wide setting, which a
+library should leave as it found it; glibc has no getter, and any setting ends
+the rising for good, so after planning it is set where the rising stops,
+`_AFTER_THRESHOLD_BYTES` (where a process that freed one mapped block of 32
+MiB is anyway), and the freed heap is trimmed (``malloc_trim``). A threshold
+the user set (``MALLOC_MMAP_THRESHOLD_``, or the ``glibc.malloc.mmap_threshold``
+tunable) is kept. Off glibc (musl) nothing is called; where another malloc is
+preloaded (jemalloc), glibc's own ``mallopt`` configures an allocator not in
+use, which is harmless.
 """
 
 from __future__ import annotations

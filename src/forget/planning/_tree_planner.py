@@ -63,7 +63,10 @@ stopped, a measured miss, and the search goes on below it. The timed steps
 is stopped, the least feasible budget is not measured: the error names the
 cost model's least peak, or the least bound a stopped step passed where that is
 higher. A guard sees an allocation only once it is made, so a stopped step
-passes the budget by the one allocation that stopped it, then frees it.
+passes the budget by the one allocation that stopped it, then frees it. The
+ledger's bytes are not the process's resident memory: glibc keeps freed heap
+pages, so planning runs with large blocks mapped for themselves (NOTE [freed
+heap] in `._heap`).
 
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
