@@ -9,7 +9,9 @@ comes from the heap. Each measured step allocates in another pattern, so the
 heap grows by the holes the steps before left, and the resident set with it,
 while no step holds more than the budget (benchmarks/measured.md). So while
 planning the threshold is `_PLANNING_THRESHOLD_BYTES`: a larger block is mapped
-for itself and unmapped when freed. This is a process-wide setting, which a
+for itself and unmapped when freed. The price is time: each such block's
+pages fault in as they are first written, which slowed planning, and the timed
+runs see those faults too (measured.md). This is a process-wide setting, which a
 library should leave as it found it; glibc has no getter, and any setting ends
 the rising for good, so after planning it is set where the rising stops,
 `_AFTER_THRESHOLD_BYTES` (where a process that freed one mapped block of 32
