@@ -398,6 +398,10 @@ class Region:
         # sight) and, under create_graph, the region holds that graph through the
         # rebuilt tensors; so the hook reaches the region only through a weak reference.
         region_ref = weakref.ref(self)
+        # ``collect`` names itself through this list, emptied once the re-run is over:
+        # a closure that held itself would be a reference cycle, and everything the
+        # closure holds (the tracker's kept tensors) would wait for the collector.
+        this: list[Callable[[torch.Tensor], torch.Tensor]] = []
         meta, check, name = self._meta, self.check, region_name(self.func)
         writers, early_stop = self._writers, self.early_stop
 
@@ -444,7 +448,7 @@ class Region:
                 if keep_graph:
                     region._rebuilt[index] = t
                 else:
-                    regenerate = rerun_pack(collect)  # NOTE [regenerate in a re-run]
+                    regenerate = rerun_pack(this[0])  # NOTE [regenerate in a re-run]
                     if regenerate is not None:
                         with hidden():
                             packed = regenerate(t)
@@ -461,6 +465,7 @@ class Region:
                         past.append(positions[index])
             return alias
 
+        this.append(collect)
         # Versions of kept external tensors before the re-run: its own in-place writes
         # (restored afterwards) must not read as the user's (NOTE [external tensors]).
         external = [
@@ -508,6 +513,7 @@ class Region:
                 self._trace.explain(error)  # NOTE [debug trace]
             raise
         finally:
+            this.clear()
             _packers.stack.pop()
             _packers.keeping_graph.discard(collect)
             if tracker is not None:

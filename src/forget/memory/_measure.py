@@ -146,6 +146,11 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
         gc.collect()
     tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
     memory, backward = _read_tree(tree)
+    # torch's profile object is a reference cycle (its actions are its bound methods):
+    # its records, several MB for a model's step, would wait for the garbage collector,
+    # alive through the caller's next step (a planner measures steps back to back).
+    del tree
+    prof.profiler = None
     spans = _merge(backward)
     first_backward = spans[0][0] if spans else None
     live = peak = forward_peak = backward_peak = 0

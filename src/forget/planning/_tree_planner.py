@@ -63,7 +63,10 @@ stopped, a measured miss, and the search goes on below it. The timed steps
 is stopped, the least feasible budget is not measured: the error names the
 cost model's least peak, or the least bound a stopped step passed where that is
 higher. A guard sees an allocation only once it is made, so a stopped step
-passes the budget by the one allocation that stopped it, then frees it.
+passes the budget by the one allocation that stopped it, then frees it. The
+ledger's bytes are not the process's resident memory: glibc keeps freed heap
+pages, so planning runs with large blocks mapped for themselves (NOTE [freed
+heap] in `._heap`).
 
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
@@ -122,6 +125,7 @@ from ..memory import frozen_heap
 from ..policies import Policy
 from ._guard import Peak, guarded_peak
 from ._guard import budget_bytes as resolve_budget
+from ._heap import heap_returned
 from ._profile import _check_options
 from ._targets import untouched, zero_grads
 from ._timing import fastest_of, time_calls
@@ -203,6 +207,7 @@ class TreePlanner:
     """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
+    @heap_returned()  # NOTE [freed heap] in `._heap`
     def __init__(
         self,
         model: nn.Module,
@@ -464,6 +469,7 @@ class TreePlanner:
     # ------------------------------------------------------------ planning
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
+    @heap_returned()  # NOTE [freed heap] in `._heap`
     def plan(self, budget: int | float | str | None = None) -> TreePlan:
         """Return the fastest measured plan whose allocator peak fits ``budget``.
 

@@ -1,0 +1,79 @@
+"""While planning, glibc's malloc hands large freed blocks back to the system (Linux).
+
+NOTE [freed heap]: planning must raise the process's resident memory by about
+the budget, not only hold the budget by the ledger (NOTE [planning within the
+budget] in `._tree_planner`). glibc's malloc serves a block below its mmap
+threshold from its heap, whose freed pages stay resident, and the threshold
+rises to each larger mapped block freed, up to 32 MiB: soon every activation
+comes from the heap. Each measured step allocates in another pattern, so the
+heap grows by the holes the steps before left, and the resident set with it,
+while no step holds more than the budget (benchmarks/measured.md). So while
+planning the threshold is `_PLANNING_THRESHOLD_BYTES`: a larger block is mapped
+for itself and unmapped when freed. The price is time: each such block's
+pages fault in as they are first written, which slowed planning, and the timed
+runs see those faults too (measured.md). This is a process-wide setting, which a
+library should leave as it found it; glibc has no getter, and any setting ends
+the rising for good, so after planning it is set where the rising stops,
+`_AFTER_THRESHOLD_BYTES` (where a process that freed one mapped block of 32
+MiB is anyway), and the freed heap is trimmed (``malloc_trim``). A threshold
+the user set (``MALLOC_MMAP_THRESHOLD_``, or the ``glibc.malloc.mmap_threshold``
+tunable) is kept. Off glibc (musl) nothing is called; where another malloc is
+preloaded (jemalloc), glibc's own ``mallopt`` configures an allocator not in
+use, which is harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["heap_returned"]
+
+_M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+# Blocks from 64 KiB up are mapped for themselves while planning (a tensor of 16,384
+# float32 values; smaller ones are Python objects and small tensors).
+_PLANNING_THRESHOLD_BYTES = 64 << 10
+# glibc's ceiling for the rising threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
+_AFTER_THRESHOLD_BYTES = 32 << 20
+
+
+@contextlib.contextmanager
+def heap_returned() -> Iterator[None]:
+    """Map large blocks for themselves inside the block, on glibc (NOTE [freed heap])."""
+    libc = _glibc()
+    if libc is None or user_set_threshold(os.environ):
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, _PLANNING_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, _AFTER_THRESHOLD_BYTES)
+        libc.malloc_trim(0)
+
+
+def user_set_threshold(environ: Any) -> bool:
+    """Whether the process was started with glibc's mmap threshold set (NOTE [freed heap])."""
+    tunables = str(environ.get("GLIBC_TUNABLES", ""))
+    return "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in tunables
+
+
+@functools.cache
+def _glibc() -> Any:
+    """The process's C library where it is glibc on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    except (OSError, AttributeError):  # musl, or no symbol table to read
+        return None
+    return libc
