@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _tree_models import MODELS, _loss
-from forget.planning import TreePlanner
+from forget.planning import Planner, TreePlanner, _heap
 from forget.planning._heap import user_set_threshold
 
 
@@ -68,6 +68,7 @@ def test_planning_maps_large_blocks_for_themselves_and_after_it_the_heap_serves_
     del big
     outside_before = _mapped_by(block)
     inside: list[int | None] = []
+
     model, inputs = MODELS["net"]()
 
     def loss_fn(output: Any) -> torch.Tensor:
@@ -94,3 +95,31 @@ def test_planning_maps_large_blocks_for_themselves_and_after_it_the_heap_serves_
 )
 def test_a_threshold_the_user_set_is_left_as_it_is(environ, set_by_user):
     assert user_set_threshold(environ) is set_by_user
+
+
+class _Libc:
+    """glibc's two calls the planner makes, recorded (NOTE [freed heap])."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, ...]] = []
+
+    def mallopt(self, option: int, value: int) -> int:
+        self.calls.append(("mallopt", option, value))
+        return 1
+
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append(("malloc_trim", pad))
+        return 1
+
+
+def test_the_chain_planner_sets_the_threshold_while_it_profiles_and_plans(monkeypatch):
+    libc = _Libc()
+    monkeypatch.setattr(_heap, "_glibc", lambda: libc)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    planner = Planner(blocks, (torch.randn(4, 8),), repeats=1)
+    planner.plan(planner.plain_peak)
+    around = [("mallopt", -3, 64 << 10), ("mallopt", -3, 32 << 20), ("malloc_trim", 0)]
+    assert libc.calls == around * 2  # the profile, then the plan
