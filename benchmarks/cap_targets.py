@@ -15,6 +15,8 @@ per shape, the peak with every default candidate region that has none inside it
 forgotten (`forget.apply_forget`): about the least any choice of those regions
 reaches, to tell a cap that cannot hold from a runtime that evicts badly.
 ``--largest-first`` runs the largest shape first, with nothing learned.
+``--split`` times instead, by CPU time, the forward and the backward of the
+plain step and of the step under a cap never reached, at the largest shape.
 
 ``--evictions dtr,largest,first_run,cheapest_per_byte`` runs the same caps once
 per eviction order (NOTE [eviction order]) instead, side by side: per order the
@@ -27,6 +29,7 @@ evicted regions' forward time as the cap's own records have it
 
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
         [--times] [--rounds 5] [--floor] [--largest-first] [--evictions dtr,largest]
+        [--split]
 """
 
 from __future__ import annotations
@@ -285,6 +288,32 @@ def cpu_timed(call: Callable[[], None], into: list[float]) -> Callable[[], None]
     return timed
 
 
+def run_split(name: str, rounds: int) -> None:
+    """CPU time of the forward and of the backward, plain and under a cap never reached."""
+    make, shapes = models()[name]
+    model, inputs = make(max(shapes))
+    never = copy.deepcopy(model)
+    forget.cap(never, 10**12)
+    split: dict[str, tuple[list[float], list[float]]] = {"plain": ([], []), "never": ([], [])}
+    for round_ in range(rounds + 2):  # two warm-up rounds; the order alternates
+        pairs = [("plain", model), ("never", never)]
+        for key, net in pairs if round_ % 2 else pairs[::-1]:
+            net.zero_grad(set_to_none=True)
+            start = time.process_time()
+            loss = net(**inputs).loss
+            middle = time.process_time()
+            loss.backward()
+            if round_ >= 2:
+                split[key][0].append(middle - start)
+                split[key][1].append(time.process_time() - middle)
+            del loss
+    (pf, pb), (nf, nb) = ([statistics.median(t) * 1e3 for t in ts] for ts in split.values())
+    print(
+        f"## {name} at {max(shapes)}, CPU ms (medians of {rounds} alternating steps): forward "
+        f"{pf:.2f} -> {nf:.2f} under a cap never reached, backward {pb:.2f} -> {nb:.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,gpt2,bert,resnet")
@@ -293,9 +322,13 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true")
     parser.add_argument("--largest-first", action="store_true")
     parser.add_argument("--evictions", default=None, help="compare these eviction orders")
+    parser.add_argument("--split", action="store_true", help="forward and backward CPU time")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
+        if args.split:
+            run_split(name, args.rounds)
+            continue
         if args.evictions:
             run_evictions(name, args.evictions.split(","))
             continue
