@@ -8,11 +8,15 @@ whose shapes vary (the largest last but one, a small one first) is measured step
 by step: peak / cap, regions evicted, the runtime's estimate. ``--times`` adds,
 at the largest shape, the capped step's time against plain (a cap never reached:
 1e12 bytes), against the cap at 50 %, and against a ``forget.plan`` at that
-budget and layer checkpointing, medians of interleaved rounds. ``--floor`` adds,
+budget and layer checkpointing, medians of interleaved rounds, by the wall
+clock and by the process's CPU time (less moved by other processes on a
+loaded machine), with the regions the cap evicted and the plan's choices. ``--floor`` adds,
 per shape, the peak with every default candidate region that has none inside it
 forgotten (`forget.apply_forget`): about the least any choice of those regions
 reaches, to tell a cap that cannot hold from a runtime that evicts badly.
 ``--largest-first`` runs the largest shape first, with nothing learned.
+``--split`` times instead, by CPU time, the forward and the backward of the
+plain step and of the step under a cap never reached, at the largest shape.
 
 ``--evictions dtr,largest,first_run,cheapest_per_byte`` runs the same caps once
 per eviction order (NOTE [eviction order]) instead, side by side: per order the
@@ -25,6 +29,7 @@ evicted regions' forward time as the cap's own records have it
 
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
         [--times] [--rounds 5] [--floor] [--largest-first] [--evictions dtr,largest]
+        [--split]
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import argparse
 import copy
 import gc
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -221,7 +227,7 @@ def run_times(name: str, rounds: int) -> None:
     never = copy.deepcopy(model)
     forget.cap(never, 10**12)
     capped = copy.deepcopy(model)
-    forget.cap(capped, budget)
+    handle = forget.cap(capped, budget)
     layers: Any = copy.deepcopy(model)
     layers.activation_checkpointing_enable({"use_reentrant": False})
     calls = {
@@ -237,12 +243,75 @@ def run_times(name: str, rounds: int) -> None:
         calls["plan 50%"] = step_of(planned, inputs)
     except forget.ForgetError as error:
         print(f"  plan at 50%: {error}")
-    rounds_s = time_calls(calls, rounds)
-    times = {key: statistics.median(ts) for key, ts in rounds_s.items()}
-    base = times["plain"]
+    cpu_s: dict[str, list[float]] = {key: [] for key in calls}
+    rounds_s = time_calls({key: cpu_timed(call, cpu_s[key]) for key, call in calls.items()}, rounds)
     print(f"## {name} times at {max(shapes)} (medians of {rounds} interleaved rounds)")
-    for key, value in times.items():
-        print(f"  {key}: {value * 1e3:.1f} ms ({value / base:.3f} x plain)")
+    for label, per_call in (("wall", rounds_s), ("cpu", cpu_s)):
+        # time_calls's warm-up round is recorded by cpu_timed too: drop it
+        times = {key: statistics.median(ts[-rounds:]) for key, ts in per_call.items()}
+        base = times["plain"]
+        for key, value in times.items():
+            print(f"  {label} {key}: {value * 1e3:.1f} ms ({value / base:.3f} x plain)")
+        if "plan 50%" in times:
+            print(
+                f"  {label} cap 50% / plan 50%: {times['cap 50%'] / times['plan 50%']:.3f}; "
+                f"cap 50% / layer checkpointing: "
+                f"{times['cap 50%'] / times['layer checkpointing']:.3f}"
+            )
+    report = handle.steps[-1]
+    print(
+        f"  cap 50% evicted {len(report.evicted)}/{len(report.regions)}: "
+        f"{', '.join(report.evicted) or '-'} (their forward {report.evicted_forward_s * 1e3:.1f}"
+        f" ms as the last step timed it; estimate {report.estimated_peak_bytes / budget:.3f}"
+        " of the cap)"
+    )
+    if "plan 50%" in calls:
+        chosen = ", ".join(f"{region}={choice}" for region, choice in fitted.choices.items())
+        print(
+            f"  plan 50% runs as: {chosen or '-'} (measured peak "
+            f"{fitted.measured_peak_bytes / budget:.3f} of the budget)"
+        )
+
+
+def cpu_timed(call: Callable[[], None], into: list[float]) -> Callable[[], None]:
+    """``call``, appending the process's CPU seconds of each run to ``into``.
+
+    CPU time counts only this process's work, so other processes on a loaded
+    machine move it far less than the wall clock (with one torch thread).
+    """
+
+    def timed() -> None:
+        start = time.process_time()
+        call()
+        into.append(time.process_time() - start)
+
+    return timed
+
+
+def run_split(name: str, rounds: int) -> None:
+    """CPU time of the forward and of the backward, plain and under a cap never reached."""
+    make, shapes = models()[name]
+    model, inputs = make(max(shapes))
+    never = copy.deepcopy(model)
+    forget.cap(never, 10**12)
+    split: dict[str, tuple[list[float], list[float]]] = {"plain": ([], []), "never": ([], [])}
+    for round_ in range(rounds + 2):  # two warm-up rounds; the order alternates
+        pairs = [("plain", model), ("never", never)]
+        for key, net in pairs if round_ % 2 else pairs[::-1]:
+            net.zero_grad(set_to_none=True)
+            start = time.process_time()
+            loss = net(**inputs).loss
+            middle = time.process_time()
+            loss.backward()
+            if round_ >= 2:
+                split[key][0].append(middle - start)
+                split[key][1].append(time.process_time() - middle)
+            del loss
+    (pf, pb), (nf, nb) = ([statistics.median(t) * 1e3 for t in ts] for ts in split.values())
+    print(
+        f"## {name} at {max(shapes)}, CPU ms (medians of {rounds} alternating steps): forward "
+        f"{pf:.2f} -> {nf:.2f} under a cap never reached, backward {pb:.2f} -> {nb:.2f}"
+    )
 
 
 def main() -> None:
@@ -253,9 +322,13 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true")
     parser.add_argument("--largest-first", action="store_true")
     parser.add_argument("--evictions", default=None, help="compare these eviction orders")
+    parser.add_argument("--split", action="store_true", help="forward and backward CPU time")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
+        if args.split:
+            run_split(name, args.rounds)
+            continue
         if args.evictions:
             run_evictions(name, args.evictions.split(","))
             continue

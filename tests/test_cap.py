@@ -284,6 +284,32 @@ def test_a_cap_that_cannot_hold_raises_and_leaves_the_model_as_it_was() -> None:
     assert _equal(_state(plain)[1], _state(net)[1])
 
 
+class WithLoss(nn.Module):
+    """`Net` that computes its loss, as a Hugging Face model given labels does."""
+
+    def __init__(self, loss_grad: bool) -> None:
+        super().__init__()
+        self.net, self.loss_grad = _net(), loss_grad
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # A wide output: backward's term, where the output counts, is the step's peak.
+        out = self.net(x).repeat(1, 256)
+        loss = out.square().mean()  # saves ``out``: the hook on the model's forward counts it
+        return (loss if self.loss_grad else loss.detach()), out
+
+
+def test_a_loss_the_model_returns_is_not_counted_again_after_its_forward() -> None:
+    estimates = {}
+    for loss_grad in (True, False):
+        net = WithLoss(loss_grad)
+        handle = forget.cap(net, 10**12)
+        torch.manual_seed(5)
+        net(_x(64))
+        estimates[loss_grad] = handle.steps[-1].estimated_peak_bytes
+    # Without a loss in it, the output is counted once more (a loss outside saves it).
+    assert estimates[False] - estimates[True] == 64 * 4 * 256 * 4 + 4
+
+
 def test_remove_puts_every_forward_back() -> None:
     net = _net()
     own = net.head.forward

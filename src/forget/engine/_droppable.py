@@ -15,7 +15,6 @@ kept tensors are (NOTE [double backward]).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,21 +72,23 @@ class DroppableRegion(Region):
 
     def _pack(self, t: torch.Tensor) -> Slot:
         slot = super()._pack(t)
-        if type(slot) is not Slot:
-            if isinstance(slot, KeptSlot) and slot.version is not None:
-                _count(self.kept_bytes, t)
-            return slot
+        if isinstance(slot, KeptSlot) and slot.version is not None:
+            _count(self.kept_bytes, t)
+        return slot
+
+    def _made_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> Slot:
+        # Held here rather than re-run; ``key`` is t's storage key (`Region._pack`).
         value = detached(t)
         if t.requires_grad:
             # A nested region's input held here must behave as the tensor did when
             # that region re-runs from it (NOTE [nested grad]).
             value.requires_grad_()
-        held = DroppableSlot(self, slot.index, value)
-        self._live[slot.index] = weakref.ref(held)
-        key = _count(self.held_bytes, t)
-        if key is not None:
+        s = storage_of(t)
+        if s is not None:
+            if key not in self.held_bytes:
+                self.held_bytes[key] = s.nbytes()
             self.held_slots[key] = self.held_slots.get(key, 0) + 1
-        return held
+        return DroppableSlot(self, index, value)
 
     def unpack(self, index: int) -> torch.Tensor:
         ref = self._live.get(index)

@@ -103,7 +103,7 @@ from ._state import (
     detached,
     restore,
 )
-from ._storage import storage_key
+from ._storage import StorageKey, storage_key
 
 __all__ = ["Region"]
 
@@ -224,7 +224,7 @@ class Region:
             # NOTE [saved identity]: the very object, history and all.
             slot = KeptSlot(self, index, t, version=t._version)
         elif action is None or self._tracker is None:
-            slot = Slot(self, index)
+            slot = self._made_slot(t, index, key)
         elif action is Action.OFFLOAD and t.device.type != "cpu":
             with hidden():
                 slot = KeptSlot(self, index, offload(t))
@@ -235,6 +235,10 @@ class Region:
             slot = KeptSlot(self, index, detached(t))
         self._live[index] = weakref.ref(slot)
         return slot
+
+    def _made_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> Slot:
+        """The slot of a saved tensor the region made and keeps not: its re-run rebuilds it."""
+        return Slot(self, index)
 
     def prefetch_offloaded(self) -> None:
         """Start bringing back every offloaded tensor of the region (NOTE [offload])."""

@@ -29,7 +29,9 @@ evicted one counted while backward is inside it: rebuilt, with what the evicted
 regions around it rebuilt and backward has not yet let go), two gradients of its
 largest tensor or output (of an op's output and input at once), and throughout
 what no region holds, every gradient of the parameters that had none, and the
-model's output once more (a loss outside the model saves about that much).
+model's output once more (a loss outside the model saves about that much; not
+where the output holds a scalar that requires grad: the model computed its loss,
+and the hook on its forward counted what that loss saved, benchmarks/measured.md).
 
 A storage goes once backward is through the first region (in the forward's
 order) that holds or keeps it, with one exception: the slots in which a region
@@ -345,7 +347,9 @@ class Step:
         self.settle(entry.name, last=not self.rooted)
 
     def model_returned(self, out: Any) -> None:
-        self.model_output_bytes = _tensor_bytes(out)
+        # NOTE [the cap's count]: a loss the model returns was counted as it ran.
+        loss_inside = any(t.dim() == 0 and t.requires_grad for t in tensors_in(out))
+        self.model_output_bytes = 0 if loss_inside else _tensor_bytes(out)
         self.settle("the end of the model's forward", last=True)
         self.closed = True
 
