@@ -292,3 +292,34 @@ def test_one_region_fewer_is_measured_where_the_model_missed_a_fit(fixed_clock):
         "a": "forget",
         "c": "forget",
     }
+
+
+def test_one_region_fewer_is_measured_where_the_model_over_predicted(fixed_clock):
+    # NOTE [one region fewer]: no miss was foreseen wrongly, but the best fit measured
+    # 15 below its prediction; a variant whose prediction less 15 fits is measured.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    best = {"a": "forget", "b": "forget", "c": "forget"}
+
+    def without(*names: str) -> frozenset[str]:
+        return frozenset(best) - set(names)
+
+    predicted = {without(): 95, without("a"): 120, without("b"): 105, without("c"): 130}
+    predicted |= {without("a", "b"): 112, without("b", "c"): 140}
+    true = {without(): 80, without("a"): 100, without("b"): 92, without("c"): 110}
+    true |= {without("a", "b"): 101}
+    measured: list[frozenset[str]] = []
+
+    def peak(choices):
+        measured.append(frozenset(choices))
+        planner.measured[_key(choices)] = (dict(choices), true.get(frozenset(choices), 200))
+        return planner.measured[_key(choices)][1]
+
+    planner.predicted_peak = lambda c: predicted.get(frozenset(c), 150)  # type: ignore[method-assign]
+    planner.extra_s = lambda c: float(len(c))  # type: ignore[method-assign]
+    planner.peak = peak  # type: ignore[method-assign]
+    planner.measured = {(): ({}, 300), _key(best): (best, 80)}
+    planner._drop_regions(100)
+    # From {a, b, c} (error -15): without b, 105 - 15 fits: measured, 92; without a
+    # (120 - 15) and without c (130 - 15) are not. From {a, c} (error -13): {c}
+    # (112 - 13) is measured and misses; {a} (140 - 13) is not; the walk ends.
+    assert measured == [without("b"), without("a", "b")]
