@@ -248,7 +248,7 @@ def test_missing_transformers_names_the_pip_command(monkeypatch: pytest.MonkeyPa
 
 # Dynamo itself reads .grad of a non-leaf while tracing GPT-2's loss (also without forget).
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2"])  # Llama's layers are checkpointed the same way
 def test_torch_compile_of_enabled_model_matches_eager(name: str) -> None:
     # Under compile the layers run as torch's checkpoint (docs/compile.md); with
     # aot_eager on CPU loss and gradients stay bitwise those of the plain eager step.
@@ -737,14 +737,17 @@ BUDGET_MODELS: dict[str, tuple[Callable[[], Any], Callable[[], Inputs]]] = {
     "vit": (_vit, _images),
     "resnet": (_resnet, _images),
 }
-# Every budget on the ResNet (BatchNorm; 35 % infeasible), a share between on Llama, the
-# others at 75 % and their least, T5 at 75 % (each an enable() that plans afresh: the
-# suite's time). The first budget fits, so the least is one measured, not the estimate
-# an infeasible one names.
-BUDGETS = {name: ("75%", "least") for name in BUDGET_MODELS} | {
+# Every budget on the ResNet (BatchNorm; 35 % infeasible), a share between on Llama,
+# BERT at 75 % and its least (no layer checkpointing fits it), the others at 75 % (each
+# an enable() that plans afresh: the suite's time). The first budget fits, so the least
+# is one measured, not the estimate an infeasible one names.
+BUDGETS = {
     "llama": ("75%", "50%", "least"),
-    "resnet": ("75%", "50%", "35%", "least"),
+    "gpt2": ("75%",),
+    "bert": ("75%", "least"),
     "t5": ("75%",),
+    "vit": ("75%",),
+    "resnet": ("75%", "50%", "35%", "least"),
 }
 CASES = [(name, budget) for name in BUDGET_MODELS for budget in BUDGETS[name]]
 

@@ -1,11 +1,12 @@
 """Planning on glibc maps large blocks for themselves, and leaves the threshold set after.
 
-NOTE [freed heap] in `forget.planning._heap`: while the tree planner profiles
-and measures, a block of 64 KiB or more comes from its own mapping (returned to
-the system when freed) instead of glibc's heap, which keeps freed pages
-resident; after planning the threshold is glibc's ceiling, 32 MiB. Observed
-through glibc's own count of mapped bytes (``mallinfo2``), the same allocation
-inside planning (the loss function of each step) and outside it.
+NOTE [freed heap] in `forget.planning._heap`: while a planner profiles and
+measures, a block of 64 KiB or more comes from its own mapping (returned to the
+system when freed) instead of glibc's heap, which keeps freed pages resident;
+after planning the threshold is glibc's ceiling, 32 MiB. Observed through
+glibc's own count of mapped bytes (``mallinfo2``), the same allocation inside
+`heap_returned` and outside it; that both planners run inside it, through
+glibc's calls recorded.
 """
 
 from __future__ import annotations
@@ -61,45 +62,37 @@ def _mapped_by(make: Any) -> int | None:
     return int(mapped) if type(block) is torch.Tensor else None
 
 
-def _mapped_around_planning() -> tuple[int | None, list[int | None], int | None]:
-    """A 1 MiB block's mapped bytes before planning, in each step's loss, and after."""
-
-    def block() -> torch.Tensor:
-        return torch.empty(BLOCK_BYTES // 4)
-
+def _mapped_around(block: Any) -> tuple[int | None, int | None, int | None]:
+    """A 1 MiB block's mapped bytes before, inside and after `heap_returned`."""
     # A freed block of 16 MiB, mapped, raises glibc's rising threshold above the
     # block's size (where a setting made earlier in the process has not fixed it).
     big = torch.empty(4 << 20)
     del big
-    outside_before = _mapped_by(block)
-    inside: list[int | None] = []
-    model, inputs = MODELS["net"]()
+    before = _mapped_by(block)
+    with _heap.heap_returned():
+        inside = _mapped_by(block)
+    return before, inside, _mapped_by(block)
 
-    def loss_fn(output: Any) -> torch.Tensor:
-        inside.append(_mapped_by(block))
-        return _loss(output)
 
-    planner = TreePlanner(model, (), inputs, loss_fn=loss_fn, repeats=1)
-    planner.plan(planner.plain_peak * 3 // 4)
-    return outside_before, inside, _mapped_by(block)
+def _block() -> torch.Tensor:
+    return torch.empty(BLOCK_BYTES // 4)
 
 
 @pytest.mark.skipif(LIBC is None, reason="glibc's malloc (Linux) only")
-def test_planning_maps_large_blocks_for_themselves_and_after_it_the_heap_serves_them():
+def test_inside_a_large_block_is_mapped_for_itself_and_after_it_the_heap_serves_it():
     # In a fresh interpreter: glibc serves a block from a freed chunk of its heap that
     # fits before it looks at the threshold, and the tests before leave such chunks.
     tests = str(Path(__file__).parent)
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_",)}
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
-    code = "import json, test_plan_heap as t; print(json.dumps(t._mapped_around_planning()))"
+    code = "import json, test_plan_heap as t; print(json.dumps(t._mapped_around(t._block)))"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr
-    outside_before, inside, outside_after = json.loads(done.stdout.splitlines()[-1])
-    real = [mapped for mapped in inside if mapped is not None]
-    assert real and min(real) >= BLOCK_BYTES, f"mapped inside planning: {inside}"
-    assert outside_before == outside_after == 0, (outside_before, outside_after)
+    before, inside, after = json.loads(done.stdout.splitlines()[-1])
+    assert inside is not None and inside >= BLOCK_BYTES, inside
+    assert before == after == 0, (before, after)
 
 
 @pytest.mark.parametrize(
@@ -131,14 +124,26 @@ class _Libc:
         return 1
 
 
-def test_the_chain_planner_sets_the_threshold_while_it_profiles_and_plans(monkeypatch):
-    libc = _Libc()
-    monkeypatch.setattr(_heap, "_glibc", lambda: libc)
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+def _plan_tree() -> None:
+    model, inputs = MODELS["net"]()
+    planner = TreePlanner(model, (), inputs, loss_fn=_loss, repeats=1)
+    planner.plan(planner.plain_peak * 3 // 4)
+
+
+def _plan_chain() -> None:
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
     planner = Planner(blocks, (torch.randn(4, 8),), repeats=1)
     planner.plan(planner.plain_peak)
-    around = [("mallopt", -3, 64 << 10), ("mallopt", -3, 32 << 20), ("malloc_trim", 0)]
+
+
+@pytest.mark.parametrize("plan", [_plan_tree, _plan_chain], ids=["tree", "chain"])
+def test_planners_set_the_threshold_while_they_profile_and_plan(plan, monkeypatch):
+    libc = _Libc()
+    monkeypatch.setattr(_heap, "_glibc", lambda: libc)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    plan()
+    around = [("mallopt", -3, 64 << 10), ("malloc_trim", 0)]
+    around += [("mallopt", -3, 32 << 20), ("malloc_trim", 0)]
     assert libc.calls == around * 2  # the profile, then the plan

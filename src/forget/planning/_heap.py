@@ -8,10 +8,12 @@ rises to each larger mapped block freed, up to 32 MiB: soon every activation
 comes from the heap. Each measured step allocates in another pattern, so the
 heap grows by the holes the steps before left, and the resident set with it,
 while no step holds more than the budget (benchmarks/measured.md). So while
-planning the threshold is `_PLANNING_THRESHOLD_BYTES`: a larger block is mapped
-for itself and unmapped when freed. The price is time: each such block's
-pages fault in as they are first written, which slowed planning, and the timed
-runs see those faults too (measured.md). This is a process-wide setting, which a
+planning the threshold is `_PLANNING_THRESHOLD_BYTES` and the heap is trimmed
+(glibc looks at the threshold only when no freed chunk, the heap's free top
+included, fits): a larger block is mapped for itself and unmapped when freed.
+The price could be time, as each such block's pages fault in when first
+written, and the timed runs see those faults too; on a quiet machine planning
+took as long either way, within the noise (measured.md). This is a process-wide setting, which a
 library should leave as it found it; glibc has no getter, and any setting ends
 the rising for good, so after planning it is set where the rising stops,
 `_AFTER_THRESHOLD_BYTES` (where a process that freed one mapped block of 32
@@ -50,6 +52,9 @@ def heap_returned() -> Iterator[None]:
         yield
         return
     libc.mallopt(_M_MMAP_THRESHOLD, _PLANNING_THRESHOLD_BYTES)
+    # glibc serves a block from its heap's free top before it maps one: trimmed, the
+    # top is too small for a large block, which is then mapped.
+    libc.malloc_trim(0)
     try:
         yield
     finally:
