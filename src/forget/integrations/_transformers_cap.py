@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["enable_cap"]
+__all__ = ["cleared", "enable_cap"]
 
 
 def enable_cap(
@@ -30,7 +30,7 @@ def enable_cap(
     checkpointing as it is now and ``put_back`` what restores it; ``others`` the
     other arguments of `enable`, which must be ``None``.
     """
-    from ..runtime import Cap, cap
+    from ..runtime import cap
 
     if given := [name for name, value in others.items() if value is not None]:
         raise TypeError(
@@ -38,20 +38,41 @@ def enable_cap(
             "nothing; it decides at run time which regions to re-run (NOTE [cap in force]). "
             "Leave them out, or use budget= and inputs= for a plan instead."
         )
-    base = door.model
-    before_plan, before_cap = door.plan, door.cap
+    undo = cleared(door, found, put_back)
+    try:
+        door.cap = cap(door.model, budget, candidates=candidates)
+    except BaseException:
+        undo()
+        raise
+    door.install()
+
+
+def cleared(
+    door: Any,
+    found: list[tuple[Any, Any]],
+    put_back: Callable[[list[tuple[Any, Any]]], None],
+) -> Callable[[], None]:
+    """Take ``door``'s plan or cap, and transformers' checkpointing, off; return the undo.
+
+    `enable` with a budget or a cap clears the model first; should what it puts
+    in fail, the undo leaves the model as it was: ``found`` (transformers'
+    checkpointing as it is now) put back by ``put_back``, and the plan or the cap
+    that was in force in again.
+    """
+    from ..runtime import Cap
+
+    model, plan, capped = door.model, door.plan, door.cap
     door.remove_plan()
     for module, _ in found:
         if module.gradient_checkpointing:
             module.gradient_checkpointing = False
-    try:
-        door.cap = cap(base, budget, candidates=candidates)
-    except BaseException:
+
+    def undo() -> None:
         put_back(found)
-        if before_plan is not None:
-            before_plan.apply(base)
-            door.plan = before_plan
-        elif before_cap is not None:
-            door.cap = Cap(base, list(before_cap.names), before_cap.budget_bytes)
-        raise
-    door.install()
+        if plan is not None:
+            plan.apply(model)
+            door.plan = plan
+        elif capped is not None:
+            door.cap = Cap(model, list(capped.names), capped.budget_bytes, capped.eviction)
+
+    return undo

@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import checkpoint
 from ..policies import Policy, as_policy
-from ._transformers_cap import enable_cap
+from ._transformers_cap import cleared, enable_cap
 
 if TYPE_CHECKING:
     from ..planning import TreePlan
@@ -312,21 +312,12 @@ def _enable_plan(
     door = _door(base)
     if door is None:
         door = _ForgetDoor(base, _found_options(base))
-    before, capped, found = door.plan, door.cap, _checkpointing_state(base)
-    door.remove_plan()
-    for module, _ in found:
-        if module.gradient_checkpointing:
-            module.gradient_checkpointing = False
+    undo = cleared(door, _checkpointing_state(base), _put_back)
     try:  # the model as it was, should planning or applying fail
         fitted = plan(base, budget=budget, samples=samples, **planning)
         fitted.apply(base)
     except BaseException:
-        _put_back(found)
-        if before is not None:
-            before.apply(base)
-            door.plan = before
-        elif capped is not None:
-            door.cap = type(capped)(base, list(capped.names), capped.budget_bytes)
+        undo()
         raise
     door.plan = fitted
     door.install()
