@@ -254,17 +254,23 @@ def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(
     assert measured == [500, 490, 492]
 
 
-def test_one_region_fewer_is_measured_where_the_model_missed_a_fit(fixed_clock):
-    # NOTE [one region fewer]: regions a, b, c; the model thinks dropping any of
-    # them overshoots the budget of 100, but without b the step measures 99.
+_BEST = {"a": "forget", "b": "forget", "c": "forget"}
+
+
+def _without(*names: str) -> frozenset[str]:
+    """The regions of `_BEST` less ``names``."""
+    return frozenset(_BEST) - set(names)
+
+
+def _stand_in(
+    predicted: dict[frozenset[str], int], true: dict[frozenset[str], int]
+) -> tuple[TreePlanner, list[frozenset[str]]]:
+    """A planner whose peaks are ``predicted`` (150 else) and measure ``true`` (200 else).
+
+    Returns it and the list of the assignments it measures, in order; a region
+    adds one to the predicted time.
+    """
     planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
-    best = {"a": "forget", "b": "forget", "c": "forget"}
-
-    def without(*names: str) -> frozenset[str]:
-        return frozenset(best) - set(names)
-
-    predicted = {without(): 90, without("a"): 110, without("b"): 105, without("c"): 101}
-    true = {without(): 90, without("a"): 130, without("b"): 99, without("c"): 101}
     measured: list[frozenset[str]] = []
 
     def peak(choices):
@@ -275,6 +281,16 @@ def test_one_region_fewer_is_measured_where_the_model_missed_a_fit(fixed_clock):
     planner.predicted_peak = lambda c: predicted.get(frozenset(c), 150)  # type: ignore[method-assign]
     planner.extra_s = lambda c: float(len(c))  # type: ignore[method-assign]
     planner.peak = peak  # type: ignore[method-assign]
+    return planner, measured
+
+
+def test_one_region_fewer_is_measured_where_the_model_missed_a_fit(fixed_clock):
+    # NOTE [one region fewer]: regions a, b, c; the model thinks dropping any of
+    # them overshoots the budget of 100, but without b the step measures 99.
+    best, without = _BEST, _without
+    predicted = {without(): 90, without("a"): 110, without("b"): 105, without("c"): 101}
+    true = {without(): 90, without("a"): 130, without("b"): 99, without("c"): 101}
+    planner, measured = _stand_in(predicted, true)
     planner.measured = {(): ({}, 300), (("a", "forget"),): ({"a": "forget"}, 120)}
     planner._drop_regions(100)
     assert measured == []  # every miss near 100 was foreseen (a alone: predicted 150)
@@ -297,26 +313,12 @@ def test_one_region_fewer_is_measured_where_the_model_missed_a_fit(fixed_clock):
 def test_one_region_fewer_is_measured_where_the_model_over_predicted(fixed_clock):
     # NOTE [one region fewer]: no miss was foreseen wrongly, but the best fit measured
     # 15 below its prediction; a variant whose prediction less 15 fits is measured.
-    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
-    best = {"a": "forget", "b": "forget", "c": "forget"}
-
-    def without(*names: str) -> frozenset[str]:
-        return frozenset(best) - set(names)
-
+    best, without = _BEST, _without
     predicted = {without(): 95, without("a"): 120, without("b"): 105, without("c"): 130}
     predicted |= {without("a", "b"): 112, without("b", "c"): 140}
     true = {without(): 80, without("a"): 100, without("b"): 92, without("c"): 110}
     true |= {without("a", "b"): 101}
-    measured: list[frozenset[str]] = []
-
-    def peak(choices):
-        measured.append(frozenset(choices))
-        planner.measured[_key(choices)] = (dict(choices), true.get(frozenset(choices), 200))
-        return planner.measured[_key(choices)][1]
-
-    planner.predicted_peak = lambda c: predicted.get(frozenset(c), 150)  # type: ignore[method-assign]
-    planner.extra_s = lambda c: float(len(c))  # type: ignore[method-assign]
-    planner.peak = peak  # type: ignore[method-assign]
+    planner, measured = _stand_in(predicted, true)
     planner.measured = {(): ({}, 300), _key(best): (best, 80)}
     planner._drop_regions(100)
     # From {a, b, c} (error -15): without b, 105 - 15 fits: measured, 92; without a
