@@ -60,7 +60,7 @@ except ImportError as exc:  # a python3 without torch: say so, not a traceback
     raise SystemExit(2) from None
 
 import forget
-from forget.cli import _bench, _bench_launch
+from forget.cli import _bench, _bench_launch, _common
 from forget.cli._common import mib
 from forget.models import MODEL_NAMES, SIZES, build_model, model_settings
 from forget.planning import time_calls
@@ -233,7 +233,7 @@ def bench_model(
         torch.manual_seed(seed)  # the same dropout masks in every variant, on every device
 
     def step(variant: str) -> None:
-        models[variant].step(x, target, _bench.WRAPPERS[variant])
+        models[variant].step(x, target, _common.BLOCK_WRAPPERS[variant])
 
     def grads(variant: str) -> dict[str, torch.Tensor | None]:
         prepare(variant)

@@ -283,7 +283,7 @@ def test_mismatch_is_reported_loudly(monkeypatch, capsys):
     def wrong(block, h):
         return block(h) * 2.0
 
-    monkeypatch.setitem(_bench.WRAPPERS, "forget", wrong)
+    monkeypatch.setitem(_common.BLOCK_WRAPPERS, "forget", wrong)
     assert _bench.main([*TINY, "--models", "residual_mlp"]) == 1
     err = capsys.readouterr().err
     assert "MISMATCH" in err

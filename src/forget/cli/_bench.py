@@ -45,36 +45,19 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch import Tensor, nn
+from torch import Tensor
 
 import forget
 from forget import ForgetError
 
-from ..models import MODEL_NAMES, SIZES, BlockWrapper, build_model
+from ..models import MODEL_NAMES, SIZES, build_model
 from ..planning import time_calls
 from ..schedules import MIB
 from . import _bench_cap
-from ._common import Progress, mib, require_matplotlib, wrote
+from ._common import BLOCK_WRAPPERS, Progress, mib, require_matplotlib, wrote
 
 VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")
 ALIASES: dict[str, str] = {"mlp": "residual_mlp", "cnn": "small_cnn", "gpt": "tiny_gpt"}
-
-
-def _torch_checkpoint(block: nn.Module, h: Tensor) -> Tensor:
-    out: Tensor = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
-    return out
-
-
-def _forget_checkpoint(block: nn.Module, h: Tensor) -> Tensor:
-    out: Tensor = forget.checkpoint(block, h)
-    return out
-
-
-WRAPPERS: dict[str, BlockWrapper | None] = {
-    "plain": None,
-    "torch_checkpoint": _torch_checkpoint,
-    "forget": _forget_checkpoint,
-}
 
 
 @dataclass(frozen=True)
@@ -129,7 +112,7 @@ class _Runner:
 
     def run(self, variant: str) -> Tensor:
         """One training step of ``variant`` as it stands (`prepare` first)."""
-        return self.models[variant].step(self.x, self.target, WRAPPERS[variant])
+        return self.models[variant].step(self.x, self.target, BLOCK_WRAPPERS[variant])
 
     def step(self, variant: str) -> Tensor:
         self.prepare(variant)

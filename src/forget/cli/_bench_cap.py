@@ -38,7 +38,7 @@ import forget
 
 from ..models import BlockModel, build_model
 from ..planning import time_calls
-from ._common import mib
+from ._common import BLOCK_WRAPPERS, mib
 
 __all__ = ["FRACTIONS", "SHARE", "CapRow", "CapRows", "format_rows", "parse_share", "run"]
 
@@ -135,15 +135,11 @@ def run(
     shapes = _shapes(name, pristine, seed)
     label, big_x, big_t = max(shapes, key=lambda s: s[1].numel())
     models = {v: copy.deepcopy(pristine) for v in ("plain", "cap", *BASELINES)}
-    wraps: dict[str, Any] = {
-        "torch_checkpoint": _torch_checkpoint,
-        "forget": lambda block, h: forget.checkpoint(block, h),
-    }
 
     def step(variant: str, x: Tensor, t: Tensor) -> Tensor:
         models[variant].zero_grad(set_to_none=True)
         torch.manual_seed(seed)
-        return models[variant].step(x, t, wraps.get(variant))
+        return models[variant].step(x, t, BLOCK_WRAPPERS.get(variant))
 
     probe = copy.deepcopy(pristine)
     plain_peak = forget.measure(lambda: probe.step(big_x, big_t)).peak_bytes
@@ -196,13 +192,6 @@ def run(
             )
     order = [("cap", s) for s, _, _ in shapes] + [(v, label) for v in BASELINES]
     return CapRows(name, share, budget, plain_peak, label, tuple(rows[key] for key in order))
-
-
-def _torch_checkpoint(block: torch.nn.Module, h: Tensor) -> Tensor:
-    import torch.utils.checkpoint
-
-    out: Tensor = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
-    return out
 
 
 def _bound(step: Callable[[str, Tensor, Tensor], Tensor], *args: Any) -> Callable[[], object]:

@@ -20,11 +20,12 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from .. import policies
+from .. import checkpoint, policies
 from .. import schedules as P
-from ..models import MODEL_NAMES, BlockModel, build_model, model_settings
+from ..models import MODEL_NAMES, BlockModel, BlockWrapper, build_model, model_settings
 from ..policies import Policy
 from ..schedules import MIB
 
@@ -62,6 +63,24 @@ def above_plain_note(budget_bytes: int, plain_peak_bytes: int) -> str:
         f"the budget {budget_bytes:,} B is at or above the plain step's peak, "
         f"{plain_peak_bytes:,} B: the plain step fits, so nothing is forgotten"
     )
+
+
+def _torch_checkpoint(block: nn.Module, h: Tensor) -> Tensor:
+    out: Tensor = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+    return out
+
+
+def _forget_checkpoint(block: nn.Module, h: Tensor) -> Tensor:
+    out: Tensor = checkpoint(block, h)
+    return out
+
+
+#: How ``forget bench`` runs each block, per variant (``None``: plainly).
+BLOCK_WRAPPERS: dict[str, BlockWrapper | None] = {
+    "plain": None,
+    "torch_checkpoint": _torch_checkpoint,
+    "forget": _forget_checkpoint,
+}
 
 
 # ---------------------------------------------------------------- output
