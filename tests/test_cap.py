@@ -359,7 +359,7 @@ def test_bad_models() -> None:
 
 
 def test_one_cap_per_model_and_none_over_a_plan() -> None:
-    from forget.planning._tree_apply import wrap
+    from forget.planning._tree.apply import wrap
 
     net = _net()
     handle = forget.cap(net, "1MiB")

@@ -31,7 +31,7 @@ def test_examples_are_found():
     assert {
         "forget.engine._forget",
         "forget.nn",
-        "forget.planning._planner",
+        "forget.planning._chain.planner",
         "forget.schedules",
     } <= set(MODULES)
 

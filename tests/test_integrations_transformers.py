@@ -530,7 +530,7 @@ def _module_state(model: Any, attributes: bool = True) -> list[tuple[Any, ...]]:
 
 def _plan_regions(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Each forward of a plan's region, counted: in_recomputing() there (False in a forward)."""
-    from forget.planning import _tree_apply
+    from forget.planning._tree import apply as _tree_apply
 
     calls: list[bool] = []
     run_option = _tree_apply.run_option

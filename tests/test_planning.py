@@ -25,11 +25,11 @@ from forget.planning import (
     PlannedSequential,
     Planner,
     _clock,
-    _planner,
-    _profile,
     _targets,
     _timing,
 )
+from forget.planning._chain import planner as _planner
+from forget.planning._chain import profile as _profile
 
 # Tests here check bytes, schedules and gradients; times come from a clock that runs
 # nothing (conftest.py). The few that need real times ask for `wall_clock`.
@@ -607,7 +607,9 @@ class _CountingClock:
             self.regions += 1
             return real(*args, **kwargs)
 
+        # A stage's region (the profile) and a region's fixed cost (`_timing`).
         monkeypatch.setattr(_profile, "run_region", run_region)
+        monkeypatch.setattr(_timing, "run_region", run_region)
 
     def _count(self, module, args) -> None:
         self.modules += 1
@@ -865,13 +867,13 @@ def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch)
         timed.append(len(timed))
         return [0.0, 0.004, 0.009, 0.0][len(timed) - 1]
 
-    monkeypatch.setattr(_profile, "_alternating_median_difference", fake)
+    monkeypatch.setattr(_timing, "_alternating_median_difference", fake)
     seen = []
     monkeypatch.setattr(
-        _profile, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
+        _timing, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
     )
     held = {i: inputs[i] for i in _timing._pair_starts(len(blocks))}  # as _profile holds them
-    region_s = _profile._region_overhead_s(blocks, held, stages, repeats=1)
+    region_s = _timing._region_overhead_s(blocks, held, stages, repeats=1)
     # Pairs (0, 1), (2, 3), (6, 7), (8, 9): 5 disjoint pairs, 4 spread over them.
     assert sorted(held) == [0, 2, 6, 8]
     assert [next(i for i, x in enumerate(inputs) if x is h) for h in seen] == [0, 2, 6, 8]

@@ -12,7 +12,7 @@ from torch import nn
 
 import forget
 from forget.planning import DEFAULT_OPTIONS
-from forget.planning._tree_apply import applied
+from forget.planning._tree.apply import applied
 
 
 def _equal_state(a: nn.Module, b: nn.Module) -> bool:

@@ -26,7 +26,7 @@ import forget
 from _tree_models import MODELS, _allocator_peak, _step
 from forget import BudgetInfeasibleError, TreePlan
 from forget.planning import TreePlanner, _clock
-from forget.planning._tree_apply import RegionForward
+from forget.planning._tree.apply import RegionForward
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 

@@ -30,8 +30,8 @@ from _tree_models import (
 from forget import TreePlan
 from forget import policies as policies_
 from forget.planning import DEFAULT_OPTIONS, TreePlanner
-from forget.planning._tree_candidates import find_candidates, first_difference
-from forget.planning._tree_planner import _key
+from forget.planning._tree.candidates import find_candidates, first_difference
+from forget.planning._tree.planner import _key
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 
@@ -157,7 +157,7 @@ def test_options_are_leaf_choices_measured_per_module():
 
 def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypatch):
     # NOTE [default options], NOTE [tree figures].
-    from forget.planning import _tree_alone
+    from forget.planning._tree import alone as _tree_alone
 
     measured: list[str] = []
     real = _tree_alone._Alone.option_bytes

@@ -343,7 +343,7 @@ class _Part(nn.Module):
 
     It runs the block's ``run`` on the block's ``layers`` of that part (shared,
     not copied), so its parameters and ``repr`` are those of the part, and two
-    blocks' parts compare alike (NOTE [alike stages] in ``forget.planning._profile``).
+    blocks' parts compare alike (NOTE [alike stages] in ``forget.planning._chain.profile``).
     """
 
     def __init__(self, part: str, run: Callable[[Tensor], Tensor], **layers: nn.Module) -> None:

@@ -1,31 +1,36 @@
 """The torch side of planning: turn a model into plain numbers, solve, apply, measure.
 
-- `_targets`: what a plan runs (a model or blocks as a chain of stages, one
-  loss), the stages a block offers and the cuts no backward reads.
-- `_timing`: callables timed in interleaved rounds, medians of paired rounds.
-- `_profile`: `profile_chain`, a `forget.schedules.Chain` of exact bytes and
-  median times.
-- `_plan`: `Plan`, a schedule over blocks with its measured figures; it runs,
-  saves and loads.
-- `_planner`: `plan` and the `Planner` behind it (NOTE [measured, not
-  predicted]); a model that is no chain goes to the module-tree side:
-- `_tree_step`, `_tree_candidates`, `_tree_profile` (with `_tree_alone`, a
-  module alone on real inputs): the step of any module,
-  its candidate regions (NOTE [tree candidates]) and their figures as a
-  `forget.schedules.Tree` (NOTE [tree figures]); `_tree_apply`: regions as
-  wrapped instance forwards (NOTE [instance forward]); `_tree_plan`:
-  `TreePlan`; `_tree_planner`: `TreePlanner` (NOTE [tree plans measured]).
+One room per planner, and what both use beside them:
 
+- `_chain`, the planner of a chain of blocks: `profile` (`profile_chain`, a
+  `forget.schedules.Chain` of exact bytes and median times), `plan` (`Plan`, a
+  schedule over blocks with its measured figures; it runs, saves and loads),
+  `planner` (`plan` and the `Planner` behind it, NOTE [measured, not
+  predicted]; a model that is no chain goes to the tree's room).
+- `_tree`, the planner of any module tree: `step`, `candidates`, `profile`
+  (with `alone`, a module alone on real inputs): the step of any module, its
+  candidate regions (NOTE [tree candidates]) and their figures as a
+  `forget.schedules.Tree` (NOTE [tree figures]); `apply`: regions as wrapped
+  instance forwards (NOTE [instance forward]); `plan`: `TreePlan`;
+  `planner`: `TreePlanner` (NOTE [tree plans measured]).
+- Shared: `_targets` (what a plan runs: a model or blocks as a chain of
+  stages, one loss; the stages a block offers; options checked), `_timing`
+  (callables timed in interleaved rounds, medians of paired rounds, a
+  region's fixed cost), `_clock`, `_guard` (NOTE [guarded steps]), `_heap`
+  (NOTE [freed heap]) and `_json`.
+
+The rooms import the shared modules and, where the chain planner hands a
+module tree over, each other's modules; they are all this package's own.
 The pure algorithms live in `forget.schedules`, which imports no torch. Other
 packages import the names below, never the underscore modules.
 """
 
-from ._plan import Plan as Plan
-from ._plan import PlannedSequential as PlannedSequential
-from ._plan import run_items as run_items
-from ._planner import Planner as Planner
-from ._planner import plan as plan
-from ._profile import profile_chain as profile_chain
+from ._chain.plan import Plan as Plan
+from ._chain.plan import PlannedSequential as PlannedSequential
+from ._chain.plan import run_items as run_items
+from ._chain.planner import Planner as Planner
+from ._chain.planner import plan as plan
+from ._chain.profile import profile_chain as profile_chain
 from ._targets import untouched as untouched
 from ._targets import zero_grads as zero_grads
 from ._timing import paired_overheads as paired_overheads
@@ -33,11 +38,11 @@ from ._timing import ratio_range as ratio_range
 from ._timing import time_calls as time_calls
 from ._timing import time_rounds as time_rounds
 from ._timing import time_side_by_side as time_side_by_side
-from ._tree_apply import is_wrapped as is_wrapped
-from ._tree_candidates import find_candidates as find_candidates
-from ._tree_plan import DEFAULT_OPTIONS as DEFAULT_OPTIONS
-from ._tree_plan import TreePlan as TreePlan
-from ._tree_planner import TreePlanner as TreePlanner
+from ._tree.apply import is_wrapped as is_wrapped
+from ._tree.candidates import find_candidates as find_candidates
+from ._tree.plan import DEFAULT_OPTIONS as DEFAULT_OPTIONS
+from ._tree.plan import TreePlan as TreePlan
+from ._tree.planner import TreePlanner as TreePlanner
 
 __all__ = [
     "DEFAULT_OPTIONS",

@@ -2,7 +2,7 @@
 
 NOTE [freed heap]: planning must raise the process's resident memory by about
 the budget, not only hold the budget by the ledger (NOTE [planning within the
-budget] in `._tree_planner`). glibc's malloc serves a block below its mmap
+budget] in `._tree.planner`). glibc's malloc serves a block below its mmap
 threshold from its heap, whose freed pages stay resident, and the threshold
 rises to each larger mapped block freed, up to 32 MiB: soon every activation
 comes from the heap. Each measured step allocates in another pattern, so the

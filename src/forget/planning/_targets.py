@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..engine import InTurn, storage_key
+from ..policies import Policy, as_policy
 
 Block = Callable[[Tensor], Tensor]
 LossFn = Callable[[Tensor], Tensor]
@@ -362,3 +363,21 @@ def _stage_names(target: _Target) -> list[str]:
         f"{i}:{type(b).__name__ if isinstance(b, nn.Module) else getattr(b, '__name__', 'fn')}"
         for i, b in enumerate(target.blocks)
     ]
+
+
+def _check_options(options: Mapping[str, object] | None) -> dict[str, Policy]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            "forget: options maps option names to policies, e.g. "
+            f"{{'matmuls': forget.policies.save_outputs_of(*forget.policies.MATMUL)}}, "
+            f"got {type(options).__name__}"
+        )
+    out: dict[str, Policy] = {}
+    for name, value in options.items():
+        policy = as_policy(value)  # type: ignore[arg-type]
+        if policy is None:
+            raise ValueError(f"forget: option {name!r} keeps nothing; that is 'forgotten' already")
+        out[name] = policy
+    return out

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from .. import schedules as P
+from ..engine import run_region
 from ._clock import elapsed
 from ._targets import Block, _Target, untouched, zero_grads
 
@@ -143,7 +145,7 @@ def fastest_of(time: Callable[[Sequence[int]], Mapping[int, Sequence[float]]], c
 
     ``time(indices)`` times those candidates side by side and returns their
     step times round by round (`time_rounds`, `time_calls`). NOTE [consistently
-    faster] and NOTE [confirmed on fresh rounds] (in `forget.planning._planner`):
+    faster] and NOTE [confirmed on fresh rounds] (in `forget.planning._chain.planner`):
     each is ranked by the median of its differences to candidate 0, round by
     round, and the best displaces candidate 0 only if it was faster in two
     thirds of the rounds, and again in two thirds of fresh rounds.
@@ -198,3 +200,49 @@ def ratio_range(
         return None
     cuts = statistics.quantiles(ratios, n=20, method="inclusive")
     return cuts[0], cuts[-1]
+
+
+def _region_overhead_s(
+    blocks: Sequence[Block], inputs: Mapping[int, Tensor], stages: Sequence[P.Stage], repeats: int
+) -> float:
+    """The fixed cost of one region, the median over pairs of neighbouring blocks.
+
+    Forgetting blocks ``i`` and ``i + 1`` as one region costs ``extra_pair``
+    more than the plain step; as two regions, ``extra_i + extra_i+1`` (their
+    stages' ``forward_nograd_s`` as profiled). The difference is what the
+    second region's setup, hooks and recomputation cost beyond its ops. One
+    pair's difference of differences scatters widely from profile to profile
+    (benchmarks/measured.md), so up to `_REGION_PAIRS` disjoint pairs
+    spread over the chain are measured and the median taken (``inputs`` holds
+    the input of block 0 and of each pair's first block). With one block, a
+    region around a single tiny op stands in.
+    """
+    if len(blocks) < 2:
+        x = torch.ones(1, device=inputs[0].device, requires_grad=True)
+        tiny = functools.partial(torch.mul, other=2.0)
+        return _alternating_median_difference(
+            _step_timer(lambda: run_region(tiny, (x,), {}), lambda: setattr(x, "grad", None)),
+            _step_timer(lambda: tiny(x), lambda: setattr(x, "grad", None)),
+            max(9, 3 * repeats),
+        )
+    estimates = []
+    for i in _pair_starts(len(blocks)):
+        b0, b1, h = blocks[i], blocks[i + 1], inputs[i]
+        params = [p for b in (b0, b1) for p in getattr(b, "parameters", list)()]
+
+        def clear(h: Tensor = h, params: list[Any] = params) -> None:
+            h.grad = None
+            for p in params:
+                p.grad = None
+
+        def pair(t: Tensor, b0: Block = b0, b1: Block = b1) -> Tensor:
+            out: Tensor = b1(b0(t))
+            return out
+
+        extra_pair = _alternating_median_difference(
+            _step_timer(lambda: run_region(pair, (h,), {}), clear),  # noqa: B023
+            _step_timer(lambda: pair(h), clear),  # noqa: B023
+            max(9, repeats),
+        )
+        estimates.append(stages[i].forward_nograd_s + stages[i + 1].forward_nograd_s - extra_pair)
+    return max(0.0, statistics.median(estimates))

@@ -11,13 +11,13 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .. import schedules as P
-from ..engine import InTurn, run_region
-from ..policies import Policy
-from ..schedules import format_bytes
-from ._json import SavedAsJson
-from ._profile import _check_options, _policy_region
-from ._targets import Block, _group, is_chain_model, sub_stages
+from ... import schedules as P
+from ...engine import InTurn, run_region
+from ...policies import Policy
+from ...schedules import format_bytes
+from .._json import SavedAsJson
+from .._targets import Block, _check_options, _group, is_chain_model, sub_stages
+from .profile import _policy_region
 
 # ---------------------------------------------------------------- applying
 

@@ -1,6 +1,6 @@
 """One training step of any module: its inputs, its loss, the samples it is planned for.
 
-A tree plan (`._tree_planner`) plans the step ``loss = loss_fn(model(*args,
+A tree plan (`.planner`) plans the step ``loss = loss_fn(model(*args,
 **kwargs)); loss.backward()``. `TreeStep` holds it; `step_loss` is the default
 loss; `samples_step` picks, among several batches, the one planned for (the
 largest) and records every batch's input sizes, which an applied plan compares
@@ -32,9 +32,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ..engine import in_recomputing
-from ..errors import ForgetError
-from ._targets import _Target
+from ...engine import in_recomputing
+from ...errors import ForgetError
+from .._targets import _Target
 
 TreeLossFn = Callable[[Any], Tensor]
 

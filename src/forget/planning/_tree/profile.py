@@ -7,7 +7,7 @@ region around it holds). One forward and backward under the ledger
 (`forget.memory`), on fake tensors (torch's ``FakeTensorMode``: every op runs
 on shapes alone and allocates nothing, while the ledger still sees each storage
 it makes, with its bytes; NOTE [planning within the budget] in
-`._tree_planner`), gives both: a pre-hook and a hook on every candidate open and close a ledger
+`.planner`), gives both: a pre-hook and a hook on every candidate open and close a ledger
 entry, and note the storages it takes and returns; when the loss is computed,
 every storage made in the step and still alive is held until backward, and is
 charged to one node:
@@ -71,18 +71,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from .. import schedules as P
-from ..engine import storage_of
-from ..errors import BudgetInfeasibleError, ForgetError
-from ..memory import Ledger, StorageRecord, watch
-from ..policies import Policy
-from ._guard import Overrun, budget_bytes, guard
-from ._targets import untouched, zero_grads
-from ._tree_alone import Layout as _Layout
-from ._tree_alone import alone_figures
-from ._tree_apply import is_wrapped
-from ._tree_candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
-from ._tree_step import Call, TreeStep, check_same_calls, step_loss, traced
+from ... import schedules as P
+from ...engine import storage_of
+from ...errors import BudgetInfeasibleError, ForgetError
+from ...memory import Ledger, StorageRecord, watch
+from ...policies import Policy
+from .._guard import Overrun, budget_bytes, guard
+from .._targets import untouched, zero_grads
+from .alone import Layout as _Layout
+from .alone import alone_figures
+from .apply import is_wrapped
+from .candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
+from .step import Call, TreeStep, check_same_calls, step_loss, traced
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def profile_tree(
             check_same_calls(model, _names(first), _names(real), "run on real tensors")
             # A module's step alone runs under the plain step's ledger peak, not the
             # budget: the profile, and so the plan, is then the same at every budget
-            # (NOTE [heavy modules] in `._tree_alone`).
+            # (NOTE [heavy modules] in `.alone`).
             alone_limit = None if limit is None else max(limit, ledger_peak)
             times, gap, figures = alone_figures(
                 step, names, rep_of, layouts, parent, policies, repeats, limit, alone_limit, probe

@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from ..engine import regenerating, run_region
-from ..policies import Policy
+from ...engine import regenerating, run_region
+from ...policies import Policy
 
 
 def run_option(

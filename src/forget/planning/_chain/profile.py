@@ -38,59 +38,28 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import schedules as P
-from ..engine import regenerating, run_region
-from ..memory import frozen_heap, measure
-from ..policies import Policy, as_policy
-from ._clock import elapsed
-from ._targets import Block, LossFn, _check_tensor, _nbytes, _Target, _target, untouched
-from ._timing import _alternating_median_difference, _median_s, _pair_starts, _step_timer
-
-
-def _region_overhead_s(
-    blocks: Sequence[Block], inputs: Mapping[int, Tensor], stages: Sequence[P.Stage], repeats: int
-) -> float:
-    """The fixed cost of one region, the median over pairs of neighbouring blocks.
-
-    Forgetting blocks ``i`` and ``i + 1`` as one region costs ``extra_pair``
-    more than the plain step; as two regions, ``extra_i + extra_i+1`` (their
-    stages' ``forward_nograd_s`` as profiled). The difference is what the
-    second region's setup, hooks and recomputation cost beyond its ops. One
-    pair's difference of differences scatters widely from profile to profile
-    (benchmarks/measured.md), so up to `_REGION_PAIRS` disjoint pairs
-    spread over the chain are measured and the median taken (``inputs`` holds
-    the input of block 0 and of each pair's first block). With one block, a
-    region around a single tiny op stands in.
-    """
-    if len(blocks) < 2:
-        x = torch.ones(1, device=inputs[0].device, requires_grad=True)
-        tiny = functools.partial(torch.mul, other=2.0)
-        return _alternating_median_difference(
-            _step_timer(lambda: run_region(tiny, (x,), {}), lambda: setattr(x, "grad", None)),
-            _step_timer(lambda: tiny(x), lambda: setattr(x, "grad", None)),
-            max(9, 3 * repeats),
-        )
-    estimates = []
-    for i in _pair_starts(len(blocks)):
-        b0, b1, h = blocks[i], blocks[i + 1], inputs[i]
-        params = [p for b in (b0, b1) for p in getattr(b, "parameters", list)()]
-
-        def clear(h: Tensor = h, params: list[Any] = params) -> None:
-            h.grad = None
-            for p in params:
-                p.grad = None
-
-        def pair(t: Tensor, b0: Block = b0, b1: Block = b1) -> Tensor:
-            out: Tensor = b1(b0(t))
-            return out
-
-        extra_pair = _alternating_median_difference(
-            _step_timer(lambda: run_region(pair, (h,), {}), clear),  # noqa: B023
-            _step_timer(lambda: pair(h), clear),  # noqa: B023
-            max(9, repeats),
-        )
-        estimates.append(stages[i].forward_nograd_s + stages[i + 1].forward_nograd_s - extra_pair)
-    return max(0.0, statistics.median(estimates))
+from ... import schedules as P
+from ...engine import regenerating, run_region
+from ...memory import frozen_heap, measure
+from ...policies import Policy
+from .._clock import elapsed
+from .._targets import (
+    Block,
+    LossFn,
+    _check_options,
+    _check_tensor,
+    _nbytes,
+    _Target,
+    _target,
+    untouched,
+)
+from .._timing import (
+    _alternating_median_difference,
+    _median_s,
+    _pair_starts,
+    _region_overhead_s,
+    _step_timer,
+)
 
 
 def _policy_region(block: Block, policy: Policy) -> Block:
@@ -203,24 +172,6 @@ def _profile_stage(
         options=tuple(options),
     )
     return stage, out.requires_grad_(out.is_floating_point())
-
-
-def _check_options(options: Mapping[str, object] | None) -> dict[str, Policy]:
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise TypeError(
-            "forget: options maps option names to policies, e.g. "
-            f"{{'matmuls': forget.policies.save_outputs_of(*forget.policies.MATMUL)}}, "
-            f"got {type(options).__name__}"
-        )
-    out: dict[str, Policy] = {}
-    for name, value in options.items():
-        policy = as_policy(value)  # type: ignore[arg-type]
-        if policy is None:
-            raise ValueError(f"forget: option {name!r} keeps nothing; that is 'forgotten' already")
-        out[name] = policy
-    return out
 
 
 def _signature(block: Block, h: Tensor, stage: P.Stage) -> tuple[Any, ...] | None:

@@ -10,19 +10,19 @@ from typing import Any
 
 from torch import nn
 
-from .. import schedules as P
-from ..policies import ATTENTION, DROPOUT, LINEAR, Policy, regenerate, save_outputs_of
-from ..schedules import format_bytes
-from ._json import SavedAsJson
-from ._profile import _check_options
-from ._tree_apply import is_wrapped, policy_of, unwrap_all, wrap_all
-from ._tree_candidates import ROOT, first_difference
-from ._tree_step import LargerInputs, signature_of
+from ... import schedules as P
+from ...policies import ATTENTION, DROPOUT, LINEAR, Policy, regenerate, save_outputs_of
+from ...schedules import format_bytes
+from .._json import SavedAsJson
+from .._targets import _check_options
+from .apply import is_wrapped, policy_of, unwrap_all, wrap_all
+from .candidates import ROOT, first_difference
+from .step import LargerInputs, signature_of
 
 _FORMAT = "forget.tree_plan/1"
 
 #: The leaf options a module tree is planned with when ``options`` is not given
-#: (NOTE [default options] in `._tree_planner`): ``"selective"`` keeps the outputs
+#: (NOTE [default options] in `.planner`): ``"selective"`` keeps the outputs
 #: of the matmuls, attention and dropout of a region and re-runs the rest (norms,
 #: activations, residual sums); ``"regenerate"`` keeps the module and rebuilds its
 #: activation, norm and dropout outputs in backward (`forget.policies.regenerate`).

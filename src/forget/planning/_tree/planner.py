@@ -7,7 +7,7 @@ candidate modules (NOTE [tree candidates]) are profiled into a
 accepts, the assignment with the least extra time.
 
 NOTE [tree plans measured]: as for chains (NOTE [measured, not predicted] in
-`._planner`), no prediction is trusted. A plan is judged by the allocator's
+`._chain.planner`), no prediction is trusted. A plan is judged by the allocator's
 peak of the real step: on CPU the allocator's own events
 (``forget.measure(..., probe="profiler")``), on CUDA
 ``torch.cuda.max_memory_allocated``; not by the tensor-storage ledger, which
@@ -124,21 +124,20 @@ from typing import Any
 
 from torch import nn
 
-from .. import schedules as P
-from ..errors import BudgetInfeasibleError
-from ..memory import frozen_heap
-from ..policies import Policy
-from ._guard import Peak, guarded_peak
-from ._guard import budget_bytes as resolve_budget
-from ._heap import heap_returned
-from ._profile import _check_options
-from ._targets import untouched, zero_grads
-from ._timing import fastest_of, time_calls
-from ._tree_apply import applied
-from ._tree_candidates import ROOT, CandidateSpec, structure
-from ._tree_plan import DEFAULT_OPTIONS, TreePlan
-from ._tree_profile import profile_tree
-from ._tree_step import TreeLossFn, TreeStep, check_same_calls, samples_step, signature_of, traced
+from ... import schedules as P
+from ...errors import BudgetInfeasibleError
+from ...memory import frozen_heap
+from ...policies import Policy
+from .._guard import Peak, guarded_peak
+from .._guard import budget_bytes as resolve_budget
+from .._heap import heap_returned
+from .._targets import _check_options, untouched, zero_grads
+from .._timing import fastest_of, time_calls
+from .apply import applied
+from .candidates import ROOT, CandidateSpec, structure
+from .plan import DEFAULT_OPTIONS, TreePlan
+from .profile import profile_tree
+from .step import TreeLossFn, TreeStep, check_same_calls, samples_step, signature_of, traced
 
 __all__ = ["TreePlanner", "plan_tree"]
 

@@ -23,7 +23,7 @@ noise. A returned plan has ``measured_peak_bytes <= budget_bytes`` by
 construction, for the inputs it was planned with.
 
 NOTE [chain planning within the budget]: as for module trees (NOTE [planning
-within the budget] in `._tree_planner`), the plain step never runs and every
+within the budget] in `._tree.planner`), the plain step never runs and every
 step measured runs under the guard (NOTE [guarded steps]) with the budget as
 its limit. The chain's figures come from each block alone on its input
 (`profile_chain`); what the step holds outside the chain model (a stem, a
@@ -68,29 +68,30 @@ from typing import Any, overload
 
 from torch import Tensor, nn
 
-from .. import schedules as P
-from ..errors import BudgetInfeasibleError
-from ..memory import frozen_heap
-from ..policies import Policy
-from ._guard import guarded_peak
-from ._heap import heap_returned
-from ._plan import Plan, run_items
-from ._profile import _check_options, profile_chain
-from ._targets import (
+from ... import schedules as P
+from ...errors import BudgetInfeasibleError
+from ...memory import frozen_heap
+from ...policies import Policy
+from .._guard import guarded_peak
+from .._heap import heap_returned
+from .._targets import (
     Block,
     ChainModel,
     LossFn,
+    _check_options,
     _Target,
     _target,
     is_chain_model,
     untouched,
     zero_grads,
 )
-from ._timing import fastest_of, time_rounds
-from ._tree_candidates import CandidateSpec
-from ._tree_plan import TreePlan
-from ._tree_planner import plan_tree
-from ._tree_step import TreeLossFn
+from .._timing import fastest_of, time_rounds
+from .._tree.candidates import CandidateSpec
+from .._tree.plan import TreePlan
+from .._tree.planner import plan_tree
+from .._tree.step import TreeLossFn
+from .plan import Plan, run_items
+from .profile import profile_chain
 
 __all__ = ["Planner", "plan"]
 

@@ -1,12 +1,12 @@
 """A tree candidate alone on real inputs: captured, timed, its workspace and options measured.
 
-`forget.planning._tree_profile` takes a step's bytes from a run on fake tensors
+`forget.planning._tree.profile` takes a step's bytes from a run on fake tensors
 (NOTE [tree figures]); what needs real tensors is taken here, one kind of
 module at a time (`alone_figures`): its inputs, captured by a forward without
 grad stopped at it (`_capture`), its forward's time, the workspace its step
 takes beyond its storages, and its leaf options' bytes and times (`_Alone`).
 One module's inputs and work are live at once (NOTE [planning within the
-budget] in `._tree_planner`).
+budget] in `.planner`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ..engine import storage_of
-from ..memory import measure
-from ..policies import Policy
-from ._guard import Overrun, guard
-from ._profile import _region_overhead_s
-from ._timing import _median_s, _step_of, time_calls
-from ._tree_apply import applied, run_option
-from ._tree_step import TreeStep
+from ...engine import storage_of
+from ...memory import measure
+from ...policies import Policy
+from .._guard import Overrun, guard
+from .._timing import _median_s, _region_overhead_s, _step_of, time_calls
+from .apply import applied, run_option
+from .step import TreeStep
 
 # A candidate's inputs as the step passes them: per tensor leaf (in pytree order)
 # its shape, dtype and whether it requires grad.
