@@ -3,8 +3,26 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread, here and in the commands the tests start.
+
+    The tests check bytes, schedules and bits on tensors of a few KiB, where a
+    second intra-op thread buys nothing and costs its hand-offs; and where the
+    2 cores are shared, torch's threads wait for each other spinning: two test
+    files took 171 and 197 s at two threads against 37 and 34 s at one, side by
+    side at load 5 (benchmarks/measured.md, "The suite at one torch thread").
+    Both sides of every differential test run alike, so nothing is left out. A
+    thread count given in the environment is kept.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
