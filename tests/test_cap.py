@@ -412,3 +412,69 @@ def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
     forget_hf.disable(model)
     assert forget_hf.cap_of(model) is None
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def _wide() -> nn.Sequential:
+    """Blocks whose weights' gradients weigh as much as what they save."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)]
+    return nn.Sequential(*blocks, nn.Linear(64, 64)).train()
+
+
+# Between the least caps that hold _wide's step: 0.638 of its plain peak with the
+# gradients counted as they come, 0.711 with all of them at once.
+SHARE_WITH_GRADIENTS_AS_THEY_COME = 0.675
+
+
+def test_gradients_are_counted_as_backward_makes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [gradients as they come]: where backward meets the last blocks, the first
+    # blocks' gradients do not exist yet. Counted as they come, this cap holds, with
+    # the plain step's gradients; counted all at once, the same cap cannot hold.
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    budget = int(SHARE_WITH_GRADIENTS_AS_THEY_COME * forget.measure(_step, _wide(), x).peak_bytes)
+    plain, net = _wide(), _wide()
+    handle = forget.cap(net, budget)
+    assert forget.measure(_step, net, x).peak_bytes <= budget
+    _step(plain, x)
+    assert _equal(_state(plain)[0], _state(net)[0])
+    handle.remove()
+
+    from forget.runtime import _steps
+
+    def all_at_once(model, entries, new_grads, holders, outside):
+        return sum(nbytes for _, nbytes in new_grads), [0] * len(entries)
+
+    monkeypatch.setattr(_steps, "gradients_by_entry", all_at_once)
+    forget.cap(net, budget)
+    with pytest.raises(forget.ForgetError, match="cannot hold"):
+        _step(net, x)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.a.weight  # tied: owned by a and by head
+        self.scale = nn.Parameter(torch.ones(8))  # the model's own
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(self.a(x))
+        return self.head(h) * self.scale + h @ self.b.weight  # b's weight saved outside b
+
+
+def test_gradients_come_with_the_region_that_owns_and_alone_uses_them() -> None:
+    from forget.runtime._grads import gradients_by_entry
+
+    net = Tied()
+    handle = forget.cap(net, 10**12, candidates=["a", "b", "head"])
+    net(torch.randn(4, 8, requires_grad=True)).sum()
+    step = handle._step
+    assert step is not None and [e.name for e in step.entries] == ["a", "b", "head"]
+    always, later = gradients_by_entry(
+        net, step.entries, step._new_grads, step._holders, step._outside
+    )
+    # Tied (no region holds both owners), saved outside every region, the model's own.
+    assert always == 4 * (64 + 64 + 8)
+    # a's bias comes at a, b's at b: backward has both once it reaches a.
+    assert later == [4 * 16, 4 * 8, 0]

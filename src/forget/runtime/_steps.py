@@ -28,8 +28,9 @@ holds, at a region with none inside, what the regions up to it hold and keep (an
 evicted one counted while backward is inside it: rebuilt, with what the evicted
 regions around it rebuilt and backward has not yet let go), two gradients of its
 largest tensor or output (of an op's output and input at once), and throughout
-what no region holds, every gradient of the parameters that had none, and the
-model's output once more (a loss outside the model saves about that much; not
+what no region holds, the gradients of the parameters that had none (all of them,
+or, where that passes the cap, those made by then: NOTE [gradients as they
+come]), and the model's output once more (a loss outside the model saves about that much; not
 where the output holds a scalar that requires grad: the model computed its loss,
 and the hook on its forward counted what that loss saved, benchmarks/measured.md).
 
@@ -100,6 +101,7 @@ from torch import nn
 
 from ..engine import DroppableRegion, StorageKey, storage_key, storage_of
 from ..errors import ForgetError
+from ._grads import gradients_by_entry
 
 __all__ = ["EVICTIONS", "Step", "StepReport", "tensors_in"]
 
@@ -253,9 +255,13 @@ class Step:
         self._peak_at = -1
         self.order = order
         params = [p for p in model.parameters()]
-        self.gradient_bytes = sum(
-            p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None
-        )
+        self._model = model
+        # The parameters whose gradient the step makes (they had none), and its bytes.
+        self._new_grads = [
+            (p, p.numel() * p.element_size()) for p in params if p.requires_grad and p.grad is None
+        ]
+        self.gradient_bytes = sum(nbytes for _, nbytes in self._new_grads)
+        self._grads_by_entry: tuple[int, list[int]] | None = None
         self._external = {storage_key(t) for t in (*params, *model.buffers(), *given)}
         self.cuda = next((p.device for p in params if p.device.type == "cuda"), None)
         self.cuda_start = torch.cuda.memory_allocated(self.cuda) if self.cuda is not None else 0
@@ -304,6 +310,7 @@ class Step:
     # -- regions --------------------------------------------------------------
     def enter(self, name: str, inputs: list[torch.Tensor]) -> _Entry:
         entry = _Entry(name, self.running[-1] if self.running else None)
+        self._grads_by_entry = None  # found again with this entry (NOTE [gradients as they come])
         for t in inputs:
             if storage_of(t) is not None:
                 key = storage_key(t)
@@ -332,6 +339,7 @@ class Step:
             self._add(key, nbytes)  # inputs: they stay while the region lives
             self._holders.setdefault(key, []).append(entry)
         entry.size = sum(region.held_bytes.values())
+        self._grads_by_entry = None
         entry.rebuilt = entry.size - sum(
             nbytes for key, nbytes in region.held_bytes.items() if key in entry.inputs
         )
@@ -359,7 +367,7 @@ class Step:
         bytes, and the largest storage once more, made and not (yet) saved."""
         return self._next_bytes() + self.largest_bytes + self.extra_bytes
 
-    def _backward(self, now: int) -> tuple[int, int]:
+    def _backward(self, now: int, refine: bool = False) -> tuple[int, int]:
         """Backward's estimated peak, and the entry (index) where it falls.
 
         NOTE [the cap's count]: backward meets the regions in reverse order and
@@ -376,9 +384,15 @@ class Step:
         for key, holders in self._holders.items():
             if holders and (record := self._live.get(key)) is not None:
                 owned[min(e.released.get(key, e.index) for e in holders)] += record[0]
-        fixed = max(0, now - sum(owned)) + self.gradient_bytes + self.model_output_bytes
-        fixed += self.extra_bytes
-        peak, where, running = fixed, -1, 0
+        outside = max(0, now - sum(owned)) + self.model_output_bytes + self.extra_bytes
+        # Past the last region, backward holds every gradient (NOTE [gradients as they come]).
+        peak, where = outside + self.gradient_bytes, -1
+        if refine:
+            always, later = self._gradients_by_entry()
+        else:
+            always, later = self.gradient_bytes, [0] * len(entries)
+        fixed = outside + always
+        running = 0
         for i, entry in enumerate(entries):
             running += owned[i]
             if not entry.done:
@@ -397,7 +411,7 @@ class Step:
                         if outer.released.get(key, i) <= i
                     )
                 outer = outer.parent
-            term = fixed + running + rebuilt + 2 * max(entry.largest, entry.out)
+            term = fixed + later[i] + running + rebuilt + 2 * max(entry.largest, entry.out)
             if term > peak:
                 peak, where = term, i
         return peak, where
@@ -423,7 +437,18 @@ class Step:
         if not last:
             return now + self._loose_bytes() + self._forward_reserve()
         peak, self._peak_at = self._backward(now)
+        if peak > self.budget_bytes and self._new_grads:
+            # NOTE [gradients as they come]: worth the walk only where it may matter.
+            peak, self._peak_at = self._backward(now, refine=True)
         return max(now, peak)
+
+    def _gradients_by_entry(self) -> tuple[int, list[int]]:
+        """What `gradients_by_entry` finds, once per step (entries reset it)."""
+        if self._grads_by_entry is None:
+            self._grads_by_entry = gradients_by_entry(
+                self._model, self.entries, self._new_grads, self._holders, self._outside
+            )
+        return self._grads_by_entry
 
     def _loose_bytes(self) -> int:
         """On CPU, the regions' outputs alive that ``now`` does not count (NOTE [the cap's
