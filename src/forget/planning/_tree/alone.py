@@ -145,7 +145,7 @@ def alone_figures(
         # forward holds their inputs, not its whole subtree's activations; their
         # regions' fixed costs are taken off its time.
         inside = [n for n in names if parent[n] == rep]
-        forward = functools.partial(module, *args, **kwargs)
+        forward = functools.partial(alone.call, module)
         with applied(model, dict.fromkeys(inside, "forget"), {}):
             if heavy:
                 with torch.no_grad():
@@ -170,7 +170,20 @@ def _scalar(output: Any) -> Tensor:
 
 
 class _Alone:
-    """A module run alone on the inputs it took in the step, plainly or under an option."""
+    """A module run alone on the inputs it took in the step, plainly or under an option.
+
+    NOTE [inputs written in place]: the captured inputs that require grad are
+    leaves, where in the step they came out of ops; a module that writes into
+    its input (an ``inplace=True`` dropout or ReLU first: torchvision's
+    EfficientNet classifier) is refused that on a leaf by autograd. So where a
+    call is refused so, it and every later call run on fresh copies of those
+    inputs, made per call (a copy's history ends at its leaf, so repeated
+    calls do not chain, and the captured values stay as captured). A copy is
+    counted with the call that makes it: the same in every figure of the
+    module, whose options' bytes and times are differences, and its bytes
+    alone a module's input, which the whole step's figures (on fake tensors)
+    do not take from here.
+    """
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.forward = module.forward
@@ -178,15 +191,31 @@ class _Alone:
         params = [p for p in module.parameters() if p.requires_grad]
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         self.tensors = [*params, *leaves]
+        self.copies = False
 
     def clear(self) -> None:
         for t in self.tensors:
             t.grad = None
 
+    def call(self, fn: Callable[..., Any], *options: Any) -> Any:
+        """``fn(*options, *args, **kwargs)`` on the module's inputs (NOTE [inputs written
+        in place]: on copies once a call was refused for writing into a leaf)."""
+        if not self.copies:
+            try:
+                return fn(*options, *self.args, **self.kwargs)
+            except RuntimeError as error:
+                if "leaf Variable that requires grad" not in str(error):
+                    raise
+                self.copies = True
+        args, kwargs = pytree.tree_map_only(
+            Tensor, lambda t: t.clone() if t.requires_grad else t, (self.args, self.kwargs)
+        )
+        return fn(*options, *args, **kwargs)
+
     def run(self, policy: Policy | None) -> Any:
         if policy is None:
-            return self.forward(*self.args, **self.kwargs)
-        return run_option(self.forward, self.args, self.kwargs, policy)
+            return self.call(self.forward)
+        return self.call(_run_option, self.forward, policy)
 
     def loss(self, policy: Policy | None) -> Tensor:
         return _scalar(self.run(policy))
@@ -205,7 +234,7 @@ class _Alone:
     def forgotten_bytes(self) -> int:
         """Bytes alive after the forward alone run as a forgotten region (its outputs)."""
         self.clear()
-        return measure(run_option, self.forward, self.args, self.kwargs, None).end_bytes
+        return measure(self.call, _run_option, self.forward, None).end_bytes
 
     def workspace_bytes(self, probe: str) -> int:
         """What the allocator hands out beyond the ledger's storages in this module's step.
@@ -271,3 +300,9 @@ class _Alone:
             for name, times in rounds.items()
         }
         return {name: (saves, extra[name]) for name, saves in offered.items()}
+
+
+def _run_option(
+    forward: Callable[..., Any], policy: Policy | None, *args: Any, **kwargs: Any
+) -> Any:
+    return run_option(forward, args, kwargs, policy)
