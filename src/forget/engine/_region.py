@@ -95,7 +95,16 @@ from ._replay import (
     recomputing,
 )
 from ._sites import FastTracker, Guard, Site, site_of, write_only_put_back
-from ._slots import KeptSlot, Slot, external, ordinal, region_name, saved_meta
+from ._slots import (
+    DroppableSlot,
+    KeptSlot,
+    Slot,
+    external,
+    held,
+    ordinal,
+    region_name,
+    saved_meta,
+)
 from ._state import (
     StateTracker,
     StopRecomputation,
@@ -109,6 +118,8 @@ __all__ = ["Region"]
 
 
 def _unpack(slot: Any) -> Any:
+    if type(slot) is DroppableSlot and slot.value is not None and not torch.is_grad_enabled():
+        return held(slot)  # NOTE [droppable regions]: held, not re-run
     if isinstance(slot, KeptSlot) and not slot.rebuilt(torch.is_grad_enabled()):
         return slot.get()
     if isinstance(slot, Slot):
@@ -208,7 +219,7 @@ class Region:
     # -- forward -------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Slot:
         index = len(self._meta)
-        self._meta.append(saved_meta(t))
+        self._meta.append((t.shape, t.dtype, t.device))  # `saved_meta`, inlined
         action = None
         tracker = self._tracker
         self._pack_positions.append(tracker.position if tracker is not None else -1)
@@ -221,8 +232,7 @@ class Region:
                 tracker.packed_draws.add(drawn)  # NOTE [kept draws]
         slot: Slot
         if action is None and external(t, key):
-            # NOTE [saved identity]: the very object, history and all.
-            slot = KeptSlot(self, index, t, version=t._version)
+            slot = self._external_slot(t, index, key)
         elif action is None or self._tracker is None:
             slot = self._made_slot(t, index, key)
         elif action is Action.OFFLOAD and t.device.type != "cpu":
@@ -235,6 +245,11 @@ class Region:
             slot = KeptSlot(self, index, detached(t))
         self._live[index] = weakref.ref(slot)
         return slot
+
+    def _external_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> KeptSlot:
+        """The slot of a saved tensor no running region made (NOTE [external tensors])."""
+        # NOTE [saved identity]: the very object, history and all.
+        return KeptSlot(self, index, t, version=t._version)
 
     def _made_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> Slot:
         """The slot of a saved tensor the region made and keeps not: its re-run rebuilds it."""
