@@ -35,10 +35,12 @@ from ._storage import StorageKey as StorageKey
 from ._storage import storage_key as storage_key
 from ._storage import storage_of as storage_of
 from ._storage import view_key as view_key
+from ._walk import ModuleWalks as ModuleWalks
 
 __all__ = [
     "DroppableRegion",
     "InTurn",
+    "ModuleWalks",
     "Region",
     "StorageKey",
     "compiled_region",

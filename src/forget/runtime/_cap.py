@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..engine import DroppableRegion, in_recomputing, run_region
+from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
 from ..errors import ForgetError
 from ..planning import find_candidates, is_wrapped
 from ..schedules import parse_budget
@@ -199,6 +199,7 @@ class Cap:
         self._history: list[StepReport] = []
         self._learned: dict[str, tuple[int, int, bool]] = {}
         self._extra_bytes = 0
+        self._walks = ModuleWalks()  # NOTE [cached walks]
         wrapped: list[nn.Module] = []
         try:
             for name in names:
@@ -260,6 +261,7 @@ class Cap:
             (args, kwargs),
             [] if previous is None else [e.name for e in previous.entries],
             self.eviction,
+            self._walks,
         )
         if step.cuda is not None:
             torch.cuda.reset_peak_memory_stats(step.cuda)

@@ -98,7 +98,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import DroppableRegion, StorageKey, storage_key, storage_of
+from ..engine import DroppableRegion, ModuleWalks, StorageKey, storage_key, storage_of
 from ..errors import ForgetError
 
 __all__ = ["EVICTIONS", "Step", "StepReport", "tensors_in"]
@@ -214,6 +214,7 @@ class Step:
         eviction: the name of the eviction order (`EVICTIONS`).
         inputs: the step's inputs (the model's arguments): made before the step,
             they are not counted; their elements scale learned sizes.
+        walks: the model's last walk, kept from step to step (NOTE [cached walks]).
     """
 
     def __init__(
@@ -225,6 +226,7 @@ class Step:
         inputs: Any,
         order: list[str],
         eviction: str = "largest",
+        walks: ModuleWalks | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self._score = EVICTIONS[eviction]
@@ -252,15 +254,14 @@ class Step:
         self.largest_bytes = 0
         self._peak_at = -1
         self.order = order
-        params = [p for p in model.parameters()]
-        self.gradient_bytes = sum(
-            p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None
-        )
-        self._external = {storage_key(t) for t in (*params, *model.buffers(), *given)}
-        self.cuda = next((p.device for p in params if p.device.type == "cuda"), None)
+        _, params, buffers = (walks or ModuleWalks()).walk([model])
+        self.gradient_bytes = sum([p.nbytes for p in params if p.requires_grad and p.grad is None])
+        self._external = {storage_key(t) for t in (*params, *buffers, *given)}
+        devices = dict.fromkeys([p.device for p in params])
+        self.cuda = next((d for d in devices if d.type == "cuda"), None)
         self.cuda_start = torch.cuda.memory_allocated(self.cuda) if self.cuda is not None else 0
         # NOTE [the cap's count]: buffers as they were, put back if the cap cannot hold.
-        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self._buffers = [(b, b.detach().clone()) for b in buffers]
         for _, copy in self._buffers:
             self._hold(copy)
 
