@@ -22,8 +22,8 @@ import torch
 
 from ._region import Region
 from ._slots import DroppableSlot, KeptSlot, Slot
-from ._state import detached
-from ._storage import StorageKey, storage_of
+from ._state import detached, dispatch_modes
+from ._storage import PLAIN_TYPES, StorageKey, storage_of
 
 __all__ = ["DroppableRegion"]
 
@@ -62,7 +62,8 @@ class DroppableRegion(Region):
 
     def _made_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> Slot:
         # Held here rather than re-run; ``key`` is t's storage key (`Region._pack`).
-        value = detached(t)
+        # `detached`, its common case (a fast forward: no dispatch mode on) inlined.
+        value = t.detach() if type(t) in PLAIN_TYPES and not dispatch_modes() else detached(t)
         if t.requires_grad:
             # A nested region's input held here must behave as the tensor did when
             # that region re-runs from it (NOTE [nested grad]).

@@ -73,7 +73,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -112,7 +112,7 @@ from ._state import (
     detached,
     restore,
 )
-from ._storage import StorageKey, storage_key
+from ._storage import PLAIN_TYPES, StorageKey, storage_key
 
 __all__ = ["Region"]
 
@@ -216,6 +216,12 @@ class Region:
         #: True while ``func``'s forward runs, on either path (NOTE [whole re-run]).
         self._in_forward = False
 
+    def forward_inputs(self) -> list[torch.Tensor]:
+        """The tensors among the call's arguments, flattened; empty once the forward ran
+        (the region keeps its inputs only as NOTE [nesting] says)."""
+        flat = self._forward_flat or ()
+        return [flat[i] for i in self._tensor_pos] if flat else []
+
     # -- forward -------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Slot:
         index = len(self._meta)
@@ -223,7 +229,10 @@ class Region:
         action = None
         tracker = self._tracker
         self._pack_positions.append(tracker.position if tracker is not None else -1)
-        key = storage_key(t)
+        # `storage_key`, its common case inlined (one call less per saved tensor).
+        key = (
+            (t.device, t.untyped_storage().data_ptr()) if type(t) in PLAIN_TYPES else storage_key(t)
+        )
         if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
             action = tracker.kept_storages.get(key)
             if action is not None:
@@ -575,16 +584,58 @@ _LEAVES = (torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None))
 
 
 def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """``pytree.tree_flatten((args, kwargs))``, or ``(list(args), None)`` when every
-    argument is a plain leaf and there are no keyword arguments (the common call)."""
+    """``pytree.tree_flatten((args, kwargs))``, flattened by hand for the common calls.
+
+    With only leaf arguments the spec is ``None``; with keyword arguments, tuples
+    or lists of leaves (a Hugging Face layer's ``position_embeddings``), it is a
+    `_Shallow`, which `_unflatten` reads as pytree would its spec, at a tenth of
+    pytree's calls; anything deeper goes through pytree.
+    """
     if not kwargs and all(type(a) in _LEAVES for a in args):
         return list(args), None
-    return pytree.tree_flatten((args, kwargs))
+    flat: list[Any] = []
+    shapes: list[tuple[type, int] | None] = []
+    for value in (*args, *kwargs.values()):
+        kind = type(value)
+        if kind in _LEAVES:
+            flat.append(value)
+            shapes.append(None)
+        elif kind is tuple or kind is list:
+            for item in value:
+                if type(item) not in _LEAVES:
+                    return pytree.tree_flatten((args, kwargs))
+            flat += value
+            shapes.append((kind, len(value)))
+        else:
+            return pytree.tree_flatten((args, kwargs))
+    return flat, _Shallow(len(args), tuple(kwargs), tuple(shapes))
+
+
+class _Shallow(NamedTuple):
+    """How `_flatten` flattened arguments one level deep: the positional count, the
+    keywords, and per argument ``None`` (a leaf) or the (tuple or list, length) of it."""
+
+    positional: int
+    keywords: tuple[str, ...]
+    shapes: tuple[tuple[type, int] | None, ...]
 
 
 def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if spec is None:
         return tuple(flat), {}
+    if isinstance(spec, _Shallow):
+        values, i = [], 0
+        for shape in spec.shapes:
+            if shape is None:
+                values.append(flat[i])
+                i += 1
+            else:
+                kind, n = shape
+                values.append(kind(flat[i : i + n]))
+                i += n
+        return tuple(values[: spec.positional]), dict(
+            zip(spec.keywords, values[spec.positional :], strict=True)
+        )
     args, kwargs = pytree.tree_unflatten(flat, spec)
     return args, kwargs
 

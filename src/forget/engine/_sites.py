@@ -13,7 +13,8 @@ checkpoint does, under a guard that costs no per-op work:
 - *What is outside.* The storages of the call's tensor arguments and of every
   parameter, buffer and tensor the callable reaches (a module's, a bound
   method's owner's, a ``functools.partial``'s arguments, closure cells: as
-  `_replay.devices_of` finds them) are external; everything else the forward
+  `_replay.devices_of` finds them; the modules walked once per site and
+  checked per call, NOTE [cached walks]) are external; everything else the forward
   saves is the region's own (`_FastTracker.made`), so nested regions and the
   pack hook tell the two apart as they do with a tracker. A tensor reached some
   other way (a global) counts as the region's own: its slot is rebuilt by the
@@ -64,7 +65,7 @@ from ._in_turn import InTurn
 from ._local import hidden
 from ._replay import devices_among, modules_reachable
 from ._state import current_values, restore
-from ._storage import StorageKey, storage_key
+from ._storage import StorageKey, storage_key, storage_keys
 from ._walk import ModuleWalks
 
 __all__ = [
@@ -304,7 +305,7 @@ class Guard:
                 for b in buffers
                 if b in written or (_nbytes(b) <= SMALL_BUFFER_BYTES and b not in write_only)
             }
-        self.external = {storage_key(t) for t in self._watched if t.numel()}
+        self.external = storage_keys(self._watched)
         self.devices = devices_among(self._watched)
 
     def _kind(self, t: torch.Tensor) -> str:

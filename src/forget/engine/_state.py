@@ -57,12 +57,13 @@ __all__ = [
     "StopRecomputation",
     "current_values",
     "detached",
+    "dispatch_modes",
     "restore",
 ]
 
 
 #: How many dispatch modes this thread has on (trackers, torch's own modes).
-_dispatch_modes = torch._C._len_torch_dispatch_stack
+dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 class StopRecomputation(Exception):
@@ -84,7 +85,7 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     as entering the switch costs more than the op (benchmarks/measured.md).
     """
     if type(t) in PLAIN_TYPES:
-        if not _dispatch_modes():
+        if not dispatch_modes():
             return t.detach()
         with torch._C._DisableTorchDispatch():
             return t.detach()

@@ -15,11 +15,12 @@ live storage.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["StorageKey", "storage_key", "storage_of", "view_key"]
+__all__ = ["StorageKey", "storage_key", "storage_keys", "storage_of", "view_key"]
 
 #: ``(device, address)`` of a storage, or ``(device, "object", id)`` of a tensor
 #: without one: the two shapes never compare equal.
@@ -55,6 +56,16 @@ def storage_key(t: torch.Tensor) -> StorageKey:
         except RuntimeError:  # a wrapper whose storage is a placeholder
             pass
     return (t.device, "object", id(t))
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set[StorageKey]:
+    """The `storage_key` of each tensor with elements: a guard's or a step's set of
+    what is outside, made at every call (the common type's key inlined)."""
+    return {
+        (t.device, t.untyped_storage().data_ptr()) if type(t) in PLAIN_TYPES else storage_key(t)
+        for t in tensors
+        if t.numel()
+    }
 
 
 def view_key(t: torch.Tensor) -> tuple[Any, ...]:

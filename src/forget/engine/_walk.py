@@ -79,7 +79,7 @@ class ModuleWalks:
         if self._root_ids is None or [*map(id, roots)] != self._root_ids:
             return None
         modules: list[Any] = [*map(_call, self._modules)]
-        if _slot_ids(modules) != self._slot_ids:  # a freed module reads as None's slots
+        if _slot_ids(modules) != self._slot_ids:  # a freed module reads as no walk
             return None
         tensors: list[Any] = [*map(_call, self._tensors)]
         if [*map(id, tensors)] != self._tensor_ids:

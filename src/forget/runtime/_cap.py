@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
 from ..errors import ForgetError
@@ -304,12 +303,10 @@ class Cap:
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
             step = self._begin(args, kwargs)
-        entry = step.enter(
-            name, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        )
+        region = DroppableRegion(original, args, kwargs)
+        entry = step.enter(name, region.forward_inputs())
         start = time.perf_counter()
         try:
-            region = DroppableRegion(original, args, kwargs)
             out = region.run_forward()
         except BaseException:
             step.leave(entry, None, None, 0.0)
