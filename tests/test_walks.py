@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from forget.engine import ModuleWalks
+from forget.engine import ModuleWalks, storage_key
 
 
 def _model() -> nn.Module:
@@ -82,3 +82,14 @@ def test_a_walk_holds_nothing_alive() -> None:
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_the_kept_storage_keys_follow_a_swapped_data() -> None:
+    model, walks = _model(), ModuleWalks()
+    _, parameters, _ = walks.walk([model])
+    before = walks.keys.keys(parameters)
+    assert before == {storage_key(p) for p in parameters}
+    model[0].weight.data = torch.zeros(4, 4)  # the same object, another storage
+    _, parameters, _ = walks.walk([model])
+    after = walks.keys.keys(parameters)
+    assert after == {storage_key(p) for p in parameters} and after != before

@@ -285,15 +285,16 @@ class Guard:
     def __init__(self, site: Site, func: Any, flat: Sequence[Any]) -> None:
         self._site = site
         # NOTE [cached walks]: the reached modules, walked only when they changed.
-        subs, parameters, buffers = site.walks.walk(_roots(func, flat))
+        subs, parameters, reached_buffers = site.walks.walk(_roots(func, flat))
         self.matches = [m.training for m in subs] == site.flags
         if not self.matches:
             return
         args = [t for t in flat if isinstance(t, torch.Tensor)]
         reached = _reached_tensors(func)
-        front = [*args, *reached, *parameters]
+        given = [*args, *reached]
+        front = [*given, *parameters]
         watched = dict(zip(map(id, front), front, strict=True))
-        buffers = [b for b in buffers if id(b) not in watched]
+        buffers = [b for b in reached_buffers if id(b) not in watched]
         watched.update(zip(map(id, buffers), buffers, strict=True))
         self._watched = list(watched.values())
         self._kinds = (args, reached, parameters)  # as `_KINDS` names them
@@ -305,7 +306,8 @@ class Guard:
                 for b in buffers
                 if b in written or (_nbytes(b) <= SMALL_BUFFER_BYTES and b not in write_only)
             }
-        self.external = storage_keys(self._watched)
+        # NOTE [cached walks]: the reached parameters' and buffers' keys kept too.
+        self.external = site.walks.keys.keys([*parameters, *reached_buffers]) | storage_keys(given)
         self.devices = devices_among(self._watched)
 
     def _kind(self, t: torch.Tensor) -> str:

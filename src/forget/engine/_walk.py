@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._storage import StorageKeyCache
+
 __all__ = ["ModuleWalks"]
 
 _call = operator.call
@@ -39,7 +41,7 @@ _dicts = operator.attrgetter("_parameters", "_buffers", "_modules")
 class ModuleWalks:
     """The last walk of some roots' modules, checked and walked again at each `walk`."""
 
-    __slots__ = ("_modules", "_root_ids", "_slot_ids", "_split", "_tensor_ids", "_tensors")
+    __slots__ = ("_modules", "_root_ids", "_slot_ids", "_split", "_tensor_ids", "_tensors", "keys")
 
     def __init__(self) -> None:
         self._root_ids: list[int] | None = None
@@ -48,6 +50,8 @@ class ModuleWalks:
         self._tensors: list[weakref.ref[torch.Tensor]] = []
         self._tensor_ids: list[int] = []
         self._split = 0  # parameters first, then buffers
+        #: The storage keys of the walked parameters and buffers, kept as they are.
+        self.keys = StorageKeyCache()
 
     def walk(
         self, roots: Sequence[nn.Module]

@@ -262,9 +262,10 @@ class Step:
         self.largest_bytes = 0
         self._peak_at = -1
         self.order = order
-        _, params, buffers = (walks or ModuleWalks()).walk([model])
+        walks = walks or ModuleWalks()
+        _, params, buffers = walks.walk([model])
         self.gradient_bytes = sum([p.nbytes for p in params if p.requires_grad and p.grad is None])
-        self._external = storage_keys((*params, *buffers, *given))
+        self._external = walks.keys.keys([*params, *buffers]) | storage_keys(given)
         devices = dict.fromkeys([p.device for p in params])
         self.cuda = next((d for d in devices if d.type == "cuda"), None)
         self.cuda_start = torch.cuda.memory_allocated(self.cuda) if self.cuda is not None else 0
