@@ -55,13 +55,17 @@ class DroppableRegion(Region):
         self.held_slots: dict[StorageKey, int] = {}
         self.dropped = False
 
-    def _external_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> KeptSlot:
-        if key not in self.kept_bytes and (s := storage_of(t)) is not None:
+    def _external_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> KeptSlot:
+        if key not in self.kept_bytes and (s := _storage(t, storage)) is not None:
             self.kept_bytes[key] = s.nbytes()
-        return super()._external_slot(t, index, key)
+        return super()._external_slot(t, index, key, storage)
 
-    def _made_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> Slot:
-        # Held here rather than re-run; ``key`` is t's storage key (`Region._pack`).
+    def _made_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> Slot:
+        # Held here rather than re-run (`Region._pack` hands ``key`` and ``storage`` on).
         # `detached`, its common case (a fast forward: no dispatch mode on) inlined.
         value = t.detach() if type(t) in PLAIN_TYPES and not dispatch_modes() else detached(t)
         if t.requires_grad:
@@ -70,7 +74,7 @@ class DroppableRegion(Region):
             value.requires_grad_()
         if key in self.held_bytes:
             self.held_slots[key] += 1
-        elif (s := storage_of(t)) is not None:
+        elif (s := _storage(t, storage)) is not None:
             self.held_bytes[key] = s.nbytes()
             self.held_slots[key] = 1
         return DroppableSlot(self, index, value)
@@ -82,3 +86,8 @@ class DroppableRegion(Region):
             slot = ref()
             if isinstance(slot, DroppableSlot):
                 slot.value = None
+
+
+def _storage(t: torch.Tensor, read: torch.UntypedStorage | None) -> torch.UntypedStorage | None:
+    """`storage_of`, from the storage the pack read where it read one (not a meta one)."""
+    return read if read is not None and not t.is_meta else storage_of(t)

@@ -73,13 +73,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
+from ._arguments import flatten, unflatten
 from ._debug import OpTrace
 from ._hooks import region_hooks
 from ._local import _packers, hidden
@@ -180,7 +180,7 @@ class Region:
         self.preserve_rng_state = preserve_rng_state
         self.early_stop = early_stop
         self._trace = OpTrace() if debug else None  # NOTE [debug trace]
-        flat, self._spec = _flatten(args, kwargs)
+        flat, self._spec = flatten(args, kwargs)
         self._tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in self._tensor_pos]
         outer = _packers.stack[-1] if _packers.stack else None
@@ -229,10 +229,10 @@ class Region:
         action = None
         tracker = self._tracker
         self._pack_positions.append(tracker.position if tracker is not None else -1)
-        # `storage_key`, its common case inlined (one call less per saved tensor).
-        key = (
-            (t.device, t.untyped_storage().data_ptr()) if type(t) in PLAIN_TYPES else storage_key(t)
-        )
+        # `storage_key`, its common case inlined (one call less per saved tensor), with
+        # the storage it reads handed on.
+        storage = t.untyped_storage() if type(t) in PLAIN_TYPES else None
+        key = (t.device, storage.data_ptr()) if storage is not None else storage_key(t)
         if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
             action = tracker.kept_storages.get(key)
             if action is not None:
@@ -241,9 +241,9 @@ class Region:
                 tracker.packed_draws.add(drawn)  # NOTE [kept draws]
         slot: Slot
         if action is None and external(t, key):
-            slot = self._external_slot(t, index, key)
+            slot = self._external_slot(t, index, key, storage)
         elif action is None or self._tracker is None:
-            slot = self._made_slot(t, index, key)
+            slot = self._made_slot(t, index, key, storage)
         elif action is Action.OFFLOAD and t.device.type != "cpu":
             with hidden():
                 slot = KeptSlot(self, index, offload(t))
@@ -255,13 +255,21 @@ class Region:
         self._live[index] = weakref.ref(slot)
         return slot
 
-    def _external_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> KeptSlot:
-        """The slot of a saved tensor no running region made (NOTE [external tensors])."""
+    def _external_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> KeptSlot:
+        """The slot of a saved tensor no running region made (NOTE [external tensors]).
+
+        ``key`` is its `storage_key`; ``storage`` the storage that key was read from,
+        or ``None`` (a subclass: `storage_of` tells)."""
         # NOTE [saved identity]: the very object, history and all.
         return KeptSlot(self, index, t, version=t._version)
 
-    def _made_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> Slot:
-        """The slot of a saved tensor the region made and keeps not: its re-run rebuilds it."""
+    def _made_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> Slot:
+        """The slot of a saved tensor the region made and keeps not: its re-run rebuilds it
+        (``key`` and ``storage`` as `_external_slot` has them)."""
         return Slot(self, index)
 
     def prefetch_offloaded(self) -> None:
@@ -403,7 +411,7 @@ class Region:
         # Each input slot of an enclosing region is unpacked once per re-run.
         flat = [_unpack(v) for v in self._flat]
         self._check_versions(flat)
-        args, kwargs = _unflatten(flat, self._spec)
+        args, kwargs = unflatten(flat, self._spec)
         count = 0
         # NOTE [policy replay]: kept op outputs stand in for their ops, except under
         # create_graph, where the ops run again so their outputs carry history.
@@ -577,67 +585,6 @@ class Region:
                     "gradients. Clone the tensor before modifying it, or modify it after "
                     "backward."
                 )
-
-
-# Argument types that are leaves of a pytree (NOTE [fast path]: no flattening cost).
-_LEAVES = (torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None))
-
-
-def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """``pytree.tree_flatten((args, kwargs))``, flattened by hand for the common calls.
-
-    With only leaf arguments the spec is ``None``; with keyword arguments, tuples
-    or lists of leaves (a Hugging Face layer's ``position_embeddings``), it is a
-    `_Shallow`, which `_unflatten` reads as pytree would its spec, at a tenth of
-    pytree's calls; anything deeper goes through pytree.
-    """
-    if not kwargs and all(type(a) in _LEAVES for a in args):
-        return list(args), None
-    flat: list[Any] = []
-    shapes: list[tuple[type, int] | None] = []
-    for value in (*args, *kwargs.values()):
-        kind = type(value)
-        if kind in _LEAVES:
-            flat.append(value)
-            shapes.append(None)
-        elif kind is tuple or kind is list:
-            for item in value:
-                if type(item) not in _LEAVES:
-                    return pytree.tree_flatten((args, kwargs))
-            flat += value
-            shapes.append((kind, len(value)))
-        else:
-            return pytree.tree_flatten((args, kwargs))
-    return flat, _Shallow(len(args), tuple(kwargs), tuple(shapes))
-
-
-class _Shallow(NamedTuple):
-    """How `_flatten` flattened arguments one level deep: the positional count, the
-    keywords, and per argument ``None`` (a leaf) or the (tuple or list, length) of it."""
-
-    positional: int
-    keywords: tuple[str, ...]
-    shapes: tuple[tuple[type, int] | None, ...]
-
-
-def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if spec is None:
-        return tuple(flat), {}
-    if isinstance(spec, _Shallow):
-        values, i = [], 0
-        for shape in spec.shapes:
-            if shape is None:
-                values.append(flat[i])
-                i += 1
-            else:
-                kind, n = shape
-                values.append(kind(flat[i : i + n]))
-                i += n
-        return tuple(values[: spec.positional]), dict(
-            zip(spec.keywords, values[spec.positional :], strict=True)
-        )
-    args, kwargs = pytree.tree_unflatten(flat, spec)
-    return args, kwargs
 
 
 def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
