@@ -382,7 +382,7 @@ class Region:
             _packers.trackers.pop()
             self._in_forward = False
         mark_outputs(out)
-        self._pre_forward, self._write_only = guard.written(region_name(self.func))
+        self._pre_forward, self._write_only = guard.written(self.func)
         self._plain_rerun = not fast.nested
         if self._rng is not None and not site.drew and self._rng.unchanged():
             self._rng = None  # as the exact path keeps none for a region that drew none

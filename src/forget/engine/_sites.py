@@ -64,6 +64,7 @@ from ..errors import ForgetError
 from ._in_turn import InTurn
 from ._local import hidden
 from ._replay import devices_among, modules_reachable
+from ._slots import region_name
 from ._state import current_values, restore
 from ._storage import StorageKey, storage_key, storage_keys
 from ._walk import ModuleWalks
@@ -300,12 +301,15 @@ class Guard:
         self._kinds = (args, reached, parameters)  # as `_KINDS` names them
         self._versions = [t._version for t in self._watched]
         written, write_only = site.written, site.write_only
-        with hidden(), torch.no_grad():
-            self._copies = {
-                id(b): b.detach().clone()
-                for b in buffers
-                if b in written or (_nbytes(b) <= SMALL_BUFFER_BYTES and b not in write_only)
-            }
+        copied = [
+            b
+            for b in buffers
+            if b in written or (_nbytes(b) <= SMALL_BUFFER_BYTES and b not in write_only)
+        ]
+        self._copies: dict[int, torch.Tensor] = {}
+        if copied:  # most calls copy nothing: no context entered for them
+            with hidden(), torch.no_grad():
+                self._copies = {id(b): b.detach().clone() for b in copied}
         # NOTE [cached walks]: the reached parameters' and buffers' keys kept too.
         self.external = site.walks.keys.keys([*parameters, *reached_buffers]) | storage_keys(given)
         self.devices = devices_among(self._watched)
@@ -318,7 +322,7 @@ class Guard:
         return "buffer"
 
     def written(
-        self, name: str
+        self, func: Any
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
         """What the forward wrote: (tensor, value before it) pairs, and write-only buffers.
 
@@ -341,7 +345,7 @@ class Guard:
             if copy is None:
                 self._site.fast = False
                 raise ForgetError(
-                    f"forget: this call of {name} wrote in place into a "
+                    f"forget: this call of {region_name(func)} wrote in place into a "
                     f"{self._kind(t)} of shape {list(t.shape)} that its first call did "
                     "not write into, so its value before the forward was not kept and the "
                     "recomputation cannot be exact (NOTE [fast path]). Later calls of it "
