@@ -3,8 +3,9 @@
 NOTE [cached walks]: a fast forward's guard (NOTE [fast path]) and a cap's step
 (NOTE [the cap's count]) need, at every call, the modules under some roots and
 their parameters and buffers. ``Module.modules()`` finds them through a
-generator per module, most of a guard's cost (benchmarks/measured.md), and they
-seldom change from one call to the next. `ModuleWalks` keeps the last walk and
+generator per module, most of a guard's Python calls and a step's (the cap's
+calls: benchmarks/measured.md), and they seldom change from one call to the
+next. `ModuleWalks` keeps the last walk and
 checks at each call that it still holds: the same roots, and in every slot of
 every walked module's ``_parameters``, ``_buffers`` and ``_modules`` the very
 object that was there. An object is compared by its id and through a weak
