@@ -17,6 +17,10 @@ reaches, to tell a cap that cannot hold from a runtime that evicts badly.
 ``--largest-first`` runs the largest shape first, with nothing learned.
 ``--split`` times instead, by CPU time, the forward and the backward of the
 plain step and of the step under a cap never reached, at the largest shape.
+``--calls`` counts instead the Python calls (cProfile's, C functions included)
+of that forward and that backward, after two warm-up steps: a figure the
+machine's load does not move. With either, ``--candidates model,lm_head`` caps
+those regions only (names, as `forget.cap` takes them) instead of the default.
 
 ``--evictions dtr,largest,first_run,cheapest_per_byte`` runs the same caps once
 per eviction order (NOTE [eviction order]) instead, side by side: per order the
@@ -29,14 +33,16 @@ evicted regions' forward time as the cap's own records have it
 
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
         [--times] [--rounds 5] [--floor] [--largest-first] [--evictions dtr,largest]
-        [--split]
+        [--split] [--calls] [--candidates NAMES]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import gc
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -288,12 +294,12 @@ def cpu_timed(call: Callable[[], None], into: list[float]) -> Callable[[], None]
     return timed
 
 
-def run_split(name: str, rounds: int) -> None:
+def run_split(name: str, rounds: int, candidates: list[str] | None = None) -> None:
     """CPU time of the forward and of the backward, plain and under a cap never reached."""
     make, shapes = models()[name]
     model, inputs = make(max(shapes))
     never = copy.deepcopy(model)
-    forget.cap(never, 10**12)
+    forget.cap(never, 10**12, candidates=candidates)
     split: dict[str, tuple[list[float], list[float]]] = {"plain": ([], []), "never": ([], [])}
     for round_ in range(rounds + 2):  # two warm-up rounds; the order alternates
         pairs = [("plain", model), ("never", never)]
@@ -314,6 +320,34 @@ def run_split(name: str, rounds: int) -> None:
     )
 
 
+def run_calls(name: str, candidates: list[str] | None = None) -> None:
+    """cProfile's count of calls in one forward and one backward, plain and under a cap
+    never reached, at the largest shape (after two warm-up steps)."""
+    make, shapes = models()[name]
+    model, inputs = make(max(shapes))
+    never = copy.deepcopy(model)
+    forget.cap(never, 10**12, candidates=candidates)
+    counts = []
+    for net in (model, never):
+        for _ in range(3):  # two warm-up steps, then the one counted
+            net.zero_grad(set_to_none=True)
+            forward, backward = cProfile.Profile(), cProfile.Profile()
+            forward.enable()
+            loss = net(**inputs).loss
+            forward.disable()
+            backward.enable()
+            loss.backward()
+            backward.disable()
+            del loss
+        stats = [pstats.Stats(p) for p in (forward, backward)]
+        counts.append([s.total_calls for s in stats])  # type: ignore[attr-defined]
+    (pf, pb), (nf, nb) = counts
+    print(
+        f"## {name} at {max(shapes)}, Python calls: forward {pf} -> {nf} under a cap never "
+        f"reached, backward {pb} -> {nb}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,gpt2,bert,resnet")
@@ -323,11 +357,17 @@ def main() -> None:
     parser.add_argument("--largest-first", action="store_true")
     parser.add_argument("--evictions", default=None, help="compare these eviction orders")
     parser.add_argument("--split", action="store_true", help="forward and backward CPU time")
+    parser.add_argument("--calls", action="store_true", help="forward and backward Python calls")
+    parser.add_argument("--candidates", default=None, help="regions of --split and --calls")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    candidates = args.candidates.split(",") if args.candidates else None
     for name in args.models.split(","):
         if args.split:
-            run_split(name, args.rounds)
+            run_split(name, args.rounds, candidates)
+            continue
+        if args.calls:
+            run_calls(name, candidates)
             continue
         if args.evictions:
             run_evictions(name, args.evictions.split(","))

@@ -35,7 +35,10 @@ Batch = Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 def _images(size: int) -> Batch:
-    return lambda n: ((torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(n)),), {})
+    return lambda n: (
+        (torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(n)),),
+        {},
+    )
 
 
 def _torchvision(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
@@ -165,9 +168,7 @@ def run(name: str, share: float, with_plan: bool) -> None:
     finally:
         handle.remove()
     # After a step the cap stopped, its buffers are put back and plain's ran on.
-    buffers = all(
-        torch.equal(a, b) for a, b in zip(plain.buffers(), capped.buffers(), strict=True)
-    )
+    buffers = all(torch.equal(a, b) for a, b in zip(plain.buffers(), capped.buffers(), strict=True))
     after = f"; buffers {'equal' if buffers else 'DIFFER'}" if held else ""
     print(f"  cap {share:.0%}: " + "; ".join(rows) + after)
     if not with_plan:
@@ -177,9 +178,7 @@ def run(name: str, share: float, with_plan: bool) -> None:
     planned = copy.deepcopy(reference)
     args, kwargs = largest
     try:
-        plan = forget.plan(
-            planned, *args, budget=cap_bytes, loss_fn=_loss, repeats=1, **kwargs
-        )
+        plan = forget.plan(planned, *args, budget=cap_bytes, loss_fn=_loss, repeats=1, **kwargs)
     except forget.BudgetInfeasibleError as error:
         print(f"  plan {share:.0%}: infeasible, least {error.min_feasible_bytes:,} B")
         return

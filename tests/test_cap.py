@@ -322,6 +322,28 @@ def test_remove_puts_every_forward_back() -> None:
     forget.cap(net, "1MiB").remove()  # capping again after a remove works
 
 
+def test_a_parameter_replaced_or_added_between_steps_is_seen() -> None:
+    # NOTE [cached walks]: the step's walk of the model is kept from step to step.
+    plain, capped = _net(), _net()
+    budget = int(0.8 * _plain_peak(64))
+    forget.cap(capped, budget)
+    for step in range(3):
+        if step == 2:  # the same new weight in both
+            torch.manual_seed(3)
+            new = torch.randn(256, 8)
+            plain.stem[0].weight = nn.Parameter(new.clone())
+            capped.stem[0].weight = nn.Parameter(new.clone())
+        _step(plain, _x(64))
+        assert forget.measure(_step, capped, _x(64)).peak_bytes <= budget
+        assert _equal(_state(plain)[0], _state(capped)[0])
+        assert _equal(_state(plain)[1], _state(capped)[1])
+    # A parameter no op uses keeps no gradient, which the cap counts as one to come:
+    # 4 MiB, far over this cap, so the step stops (a stale walk would not see it).
+    capped.head.register_parameter("spare", nn.Parameter(torch.zeros(2**20)))
+    with pytest.raises(forget.ForgetError, match="cannot hold this step"):
+        _step(capped, _x(64))
+
+
 def test_regions_under_no_grad_just_run() -> None:
     net = _net().eval()
     handle = forget.cap(net, 1_000)  # far too little for a step, nothing for inference

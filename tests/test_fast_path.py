@@ -321,3 +321,48 @@ def test_forget_sequential_segments_learn_once():
         model(x).sum().backward()
     # Three forwards and three re-runs: only the first forward under a tracker.
     assert seen[0].modes == ["StateTracker"] + [None] * 5
+
+
+class _WritesWeight(nn.Module):
+    """Scales its weight in place on the calls ``write`` names: a write into a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.write = False
+
+    def forward(self, x):
+        if self.write and not forget.in_recomputing():
+            with torch.no_grad():
+                self.lin.weight.mul_(1.0)
+        return self.lin(x).tanh()
+
+
+@pytest.mark.parametrize("how", ["setattr", "slot"], ids=["setattr", "slot-written"])
+def test_a_parameter_replaced_between_calls_is_watched(how):
+    # NOTE [cached walks]: the guard's walk is kept from call to call; a parameter
+    # replaced after it (by setattr, or in the slot itself as Module._apply does)
+    # must be the one the next call watches, so its write is seen and refused.
+    torch.manual_seed(0)
+    module = _WritesWeight()
+    for _ in range(2):  # the first call learns, the second runs fast
+        forget.checkpoint(module, torch.randn(4, 8, requires_grad=True)).sum().backward()
+    new = nn.Parameter(torch.randn(8, 8))
+    if how == "setattr":
+        module.lin.weight = new
+    else:
+        module.lin._parameters["weight"] = new
+    module.write = True
+    with pytest.raises(ForgetError, match=r"parameter of shape \[8, 8\]"):
+        forget.checkpoint(module, torch.randn(4, 8, requires_grad=True))
+
+
+def test_a_submodule_replaced_between_calls_is_walked_and_stays_exact():
+    def flip(step, a, b):
+        if step == 2:  # the same new layer in both, after two calls learned the old one
+            torch.manual_seed(7)
+            new = nn.Linear(16, 8)
+            a[3], b[3] = new, copy.deepcopy(new)
+
+    modes = _steps(_mlp, 5, flip=flip)
+    assert _forwards(modes)[:2] == ["StateTracker", None]

@@ -33,12 +33,15 @@ from ._sites import fast_path as fast_path
 from ._slots import ordinal as ordinal
 from ._storage import StorageKey as StorageKey
 from ._storage import storage_key as storage_key
+from ._storage import storage_keys as storage_keys
 from ._storage import storage_of as storage_of
 from ._storage import view_key as view_key
+from ._walk import ModuleWalks as ModuleWalks
 
 __all__ = [
     "DroppableRegion",
     "InTurn",
+    "ModuleWalks",
     "Region",
     "StorageKey",
     "compiled_region",
@@ -49,6 +52,7 @@ __all__ = [
     "regenerating",
     "run_region",
     "storage_key",
+    "storage_keys",
     "storage_of",
     "view_key",
 ]

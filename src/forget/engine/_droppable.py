@@ -20,27 +20,12 @@ from typing import Any
 
 import torch
 
-from ..errors import ForgetError
 from ._region import Region
-from ._slots import KeptSlot, Slot, region_name
-from ._state import detached
-from ._storage import StorageKey, storage_key, storage_of
+from ._slots import DroppableSlot, KeptSlot, Slot
+from ._state import detached, dispatch_modes
+from ._storage import PLAIN_TYPES, StorageKey, storage_of
 
 __all__ = ["DroppableRegion"]
-
-
-class DroppableSlot(Slot):
-    """A saved tensor the region made, held until the region is dropped."""
-
-    __slots__ = ("value", "version")
-
-    def __init__(self, region: Region, index: int, value: torch.Tensor) -> None:
-        super().__init__(region, index)
-        self.value: torch.Tensor | None = value
-        self.version = value._version
-
-    def rebuilt(self, keep_graph: bool) -> bool:
-        return keep_graph or self.value is None
 
 
 class DroppableRegion(Region):
@@ -70,45 +55,29 @@ class DroppableRegion(Region):
         self.held_slots: dict[StorageKey, int] = {}
         self.dropped = False
 
-    def _pack(self, t: torch.Tensor) -> Slot:
-        slot = super()._pack(t)
-        if isinstance(slot, KeptSlot) and slot.version is not None:
-            _count(self.kept_bytes, t)
-        return slot
+    def _external_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> KeptSlot:
+        if key not in self.kept_bytes and (s := _storage(t, storage)) is not None:
+            self.kept_bytes[key] = s.nbytes()
+        return super()._external_slot(t, index, key, storage)
 
-    def _made_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> Slot:
-        # Held here rather than re-run; ``key`` is t's storage key (`Region._pack`).
-        value = detached(t)
+    def _made_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> Slot:
+        # Held here rather than re-run (`Region._pack` hands ``key`` and ``storage`` on).
+        # `detached`, its common case (a fast forward: no dispatch mode on) inlined.
+        value = t.detach() if type(t) in PLAIN_TYPES and not dispatch_modes() else detached(t)
         if t.requires_grad:
             # A nested region's input held here must behave as the tensor did when
             # that region re-runs from it (NOTE [nested grad]).
             value.requires_grad_()
-        s = storage_of(t)
-        if s is not None:
-            if key not in self.held_bytes:
-                self.held_bytes[key] = s.nbytes()
-            self.held_slots[key] = self.held_slots.get(key, 0) + 1
+        if key in self.held_bytes:
+            self.held_slots[key] += 1
+        elif (s := _storage(t, storage)) is not None:
+            self.held_bytes[key] = s.nbytes()
+            self.held_slots[key] = 1
         return DroppableSlot(self, index, value)
-
-    def unpack(self, index: int) -> torch.Tensor:
-        ref = self._live.get(index)
-        slot = ref() if ref is not None else None
-        if (
-            isinstance(slot, DroppableSlot)
-            and slot.value is not None
-            and not torch.is_grad_enabled()
-        ):
-            value = slot.value
-            if value._version != slot.version:
-                raise ForgetError(
-                    f"forget: a tensor of shape {list(value.shape)} that "
-                    f"{region_name(self.func)} saved for backward was modified in place "
-                    f"after it was saved (version {slot.version} -> {value._version}); "
-                    "gradients would be wrong, as autograd says of a plain run. Modify a "
-                    "clone instead."
-                )
-            return value
-        return super().unpack(index)
 
     def drop(self) -> None:
         """Empty every slot: backward re-runs the region for what it needs."""
@@ -119,11 +88,6 @@ class DroppableRegion(Region):
                 slot.value = None
 
 
-def _count(into: dict[StorageKey, int], t: torch.Tensor) -> StorageKey | None:
-    s = storage_of(t)
-    if s is None:
-        return None
-    key = storage_key(t)
-    if key not in into:
-        into[key] = s.nbytes()
-    return key
+def _storage(t: torch.Tensor, read: torch.UntypedStorage | None) -> torch.UntypedStorage | None:
+    """`storage_of`, from the storage the pack read where it read one (not a meta one)."""
+    return read if read is not None and not t.is_meta else storage_of(t)

@@ -89,7 +89,7 @@ def mark_outputs(out: Any) -> None:
     NOTE [region outputs]: those nodes saved slots, which
     `regenerating` must not read.
     """
-    for o in pytree.tree_leaves(out):
+    for o in (out,) if isinstance(out, torch.Tensor) else pytree.tree_leaves(out):
         if isinstance(o, torch.Tensor):
             for u in (o, o._base):
                 if u is not None and u.grad_fn is not None:

@@ -76,10 +76,10 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
+from ._arguments import flatten, unflatten
 from ._debug import OpTrace
 from ._hooks import region_hooks
 from ._local import _packers, hidden
@@ -95,7 +95,16 @@ from ._replay import (
     recomputing,
 )
 from ._sites import FastTracker, Guard, Site, site_of, write_only_put_back
-from ._slots import KeptSlot, Slot, external, ordinal, region_name, saved_meta
+from ._slots import (
+    DroppableSlot,
+    KeptSlot,
+    Slot,
+    external,
+    held,
+    ordinal,
+    region_name,
+    saved_meta,
+)
 from ._state import (
     StateTracker,
     StopRecomputation,
@@ -103,12 +112,14 @@ from ._state import (
     detached,
     restore,
 )
-from ._storage import StorageKey, storage_key
+from ._storage import PLAIN_TYPES, StorageKey, storage_key
 
 __all__ = ["Region"]
 
 
 def _unpack(slot: Any) -> Any:
+    if type(slot) is DroppableSlot and slot.value is not None and not torch.is_grad_enabled():
+        return held(slot)  # NOTE [droppable regions]: held, not re-run
     if isinstance(slot, KeptSlot) and not slot.rebuilt(torch.is_grad_enabled()):
         return slot.get()
     if isinstance(slot, Slot):
@@ -169,7 +180,7 @@ class Region:
         self.preserve_rng_state = preserve_rng_state
         self.early_stop = early_stop
         self._trace = OpTrace() if debug else None  # NOTE [debug trace]
-        flat, self._spec = _flatten(args, kwargs)
+        flat, self._spec = flatten(args, kwargs)
         self._tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         tensors = [flat[i] for i in self._tensor_pos]
         outer = _packers.stack[-1] if _packers.stack else None
@@ -205,14 +216,23 @@ class Region:
         #: True while ``func``'s forward runs, on either path (NOTE [whole re-run]).
         self._in_forward = False
 
+    def forward_inputs(self) -> list[torch.Tensor]:
+        """The tensors among the call's arguments, flattened; empty once the forward ran
+        (the region keeps its inputs only as NOTE [nesting] says)."""
+        flat = self._forward_flat or ()
+        return [flat[i] for i in self._tensor_pos] if flat else []
+
     # -- forward -------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Slot:
         index = len(self._meta)
-        self._meta.append(saved_meta(t))
+        self._meta.append((t.shape, t.dtype, t.device))  # `saved_meta`, inlined
         action = None
         tracker = self._tracker
         self._pack_positions.append(tracker.position if tracker is not None else -1)
-        key = storage_key(t)
+        # `storage_key`, its common case inlined (one call less per saved tensor), with
+        # the storage it reads handed on.
+        storage = t.untyped_storage() if type(t) in PLAIN_TYPES else None
+        key = (t.device, storage.data_ptr()) if storage is not None else storage_key(t)
         if tracker is not None and (tracker.kept_storages or tracker.drawn_storages):
             action = tracker.kept_storages.get(key)
             if action is not None:
@@ -221,10 +241,9 @@ class Region:
                 tracker.packed_draws.add(drawn)  # NOTE [kept draws]
         slot: Slot
         if action is None and external(t, key):
-            # NOTE [saved identity]: the very object, history and all.
-            slot = KeptSlot(self, index, t, version=t._version)
+            slot = self._external_slot(t, index, key, storage)
         elif action is None or self._tracker is None:
-            slot = self._made_slot(t, index, key)
+            slot = self._made_slot(t, index, key, storage)
         elif action is Action.OFFLOAD and t.device.type != "cpu":
             with hidden():
                 slot = KeptSlot(self, index, offload(t))
@@ -236,8 +255,21 @@ class Region:
         self._live[index] = weakref.ref(slot)
         return slot
 
-    def _made_slot(self, t: torch.Tensor, index: int, key: StorageKey) -> Slot:
-        """The slot of a saved tensor the region made and keeps not: its re-run rebuilds it."""
+    def _external_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> KeptSlot:
+        """The slot of a saved tensor no running region made (NOTE [external tensors]).
+
+        ``key`` is its `storage_key`; ``storage`` the storage that key was read from,
+        or ``None`` (a subclass: `storage_of` tells)."""
+        # NOTE [saved identity]: the very object, history and all.
+        return KeptSlot(self, index, t, version=t._version)
+
+    def _made_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> Slot:
+        """The slot of a saved tensor the region made and keeps not: its re-run rebuilds it
+        (``key`` and ``storage`` as `_external_slot` has them)."""
         return Slot(self, index)
 
     def prefetch_offloaded(self) -> None:
@@ -350,7 +382,7 @@ class Region:
             _packers.trackers.pop()
             self._in_forward = False
         mark_outputs(out)
-        self._pre_forward, self._write_only = guard.written(region_name(self.func))
+        self._pre_forward, self._write_only = guard.written(self.func)
         self._plain_rerun = not fast.nested
         if self._rng is not None and not site.drew and self._rng.unchanged():
             self._rng = None  # as the exact path keeps none for a region that drew none
@@ -379,7 +411,7 @@ class Region:
         # Each input slot of an enclosing region is unpacked once per re-run.
         flat = [_unpack(v) for v in self._flat]
         self._check_versions(flat)
-        args, kwargs = _unflatten(flat, self._spec)
+        args, kwargs = unflatten(flat, self._spec)
         count = 0
         # NOTE [policy replay]: kept op outputs stand in for their ops, except under
         # create_graph, where the ops run again so their outputs carry history.
@@ -553,25 +585,6 @@ class Region:
                     "gradients. Clone the tensor before modifying it, or modify it after "
                     "backward."
                 )
-
-
-# Argument types that are leaves of a pytree (NOTE [fast path]: no flattening cost).
-_LEAVES = (torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None))
-
-
-def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    """``pytree.tree_flatten((args, kwargs))``, or ``(list(args), None)`` when every
-    argument is a plain leaf and there are no keyword arguments (the common call)."""
-    if not kwargs and all(type(a) in _LEAVES for a in args):
-        return list(args), None
-    return pytree.tree_flatten((args, kwargs))
-
-
-def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if spec is None:
-        return tuple(flat), {}
-    args, kwargs = pytree.tree_unflatten(flat, spec)
-    return args, kwargs
 
 
 def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:

@@ -92,6 +92,8 @@ def devices_among(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
     is initialised, as kernels launched by the region run there."""
     found: dict[tuple[str, int | None], torch.device] = {}
     for t in tensors:
+        if t.is_cpu:
+            continue  # read without making a device object: most tensors, on a CPU run
         d = t.device
         if d.type not in ("cpu", "meta"):
             found.setdefault((d.type, d.index), d)

@@ -13,7 +13,8 @@ checkpoint does, under a guard that costs no per-op work:
 - *What is outside.* The storages of the call's tensor arguments and of every
   parameter, buffer and tensor the callable reaches (a module's, a bound
   method's owner's, a ``functools.partial``'s arguments, closure cells: as
-  `_replay.devices_of` finds them) are external; everything else the forward
+  `_replay.devices_of` finds them; the modules walked once per site and
+  checked per call, NOTE [cached walks]) are external; everything else the forward
   saves is the region's own (`_FastTracker.made`), so nested regions and the
   pack hook tell the two apart as they do with a tracker. A tensor reached some
   other way (a global) counts as the region's own: its slot is rebuilt by the
@@ -63,8 +64,10 @@ from ..errors import ForgetError
 from ._in_turn import InTurn
 from ._local import hidden
 from ._replay import devices_among, modules_reachable
+from ._slots import region_name
 from ._state import current_values, restore
-from ._storage import StorageKey, storage_key
+from ._storage import StorageKey, storage_key, storage_keys
+from ._walk import ModuleWalks
 
 __all__ = [
     "SMALL_BUFFER_BYTES",
@@ -125,17 +128,29 @@ class Site:
         drew: whether it drew random numbers.
     """
 
-    __slots__ = ("drew", "fast", "flags", "meta", "positions", "write_only", "writers", "written")
+    __slots__ = (
+        "drew",
+        "fast",
+        "flags",
+        "meta",
+        "positions",
+        "walks",
+        "write_only",
+        "writers",
+        "written",
+    )
 
     def __init__(self) -> None:
         self.fast: bool | None = None
         self.drew = True
-        self.flags: tuple[bool, ...] = ()
+        self.flags: list[bool] = []
         self.meta: list[Any] = []
         self.positions: list[int] = []
         self.writers: frozenset[int] = frozenset()
         self.written = _TensorSet(())
         self.write_only = _TensorSet(())
+        # NOTE [cached walks]: the modules the calls reach, walked again when they change.
+        self.walks = ModuleWalks()
 
     def learn(
         self,
@@ -151,14 +166,14 @@ class Site:
         drew: bool,
     ) -> None:
         """Learn from an exact forward: fast only if every write was into a buffer."""
-        subs = _submodules(func, flat)
-        buffers = {storage_key(b): b for m in subs for b in m._buffers.values() if b is not None}
+        subs, _, reached_buffers = self.walks.walk(_roots(func, flat))
+        buffers = {storage_key(b): b for b in reached_buffers}
         read_written = [buffers.get(storage_key(t)) for t in written]
         only_written = [buffers.get(storage_key(t)) for t in write_only]
         self.fast = eligible and None not in read_written and None not in only_written
         if not self.fast:
             return
-        self.flags = tuple(m.training for m in subs)
+        self.flags = [m.training for m in subs]
         self.meta, self.positions, self.writers = list(meta), list(positions), writers
         self.drew = drew
         self.written = _TensorSet(b for b in read_written if b is not None)
@@ -176,6 +191,9 @@ class _TensorSet:
     def __contains__(self, t: torch.Tensor) -> bool:
         ref = self._refs.get(id(t))
         return ref is not None and ref() is t
+
+    def __bool__(self) -> bool:
+        return bool(self._refs)
 
 
 _sites: weakref.WeakKeyDictionary[Any, dict[Any, Site]] = weakref.WeakKeyDictionary()
@@ -235,6 +253,10 @@ class FastTracker:
         return key not in self.external
 
 
+#: What a tensor a fast forward watches is to it, in the order `Guard` asks.
+_KINDS = ("argument", "tensor the function reaches", "parameter")
+
+
 class Guard:
     """Versions and copies of what a fast forward reaches (NOTE [fast path]).
 
@@ -263,45 +285,44 @@ class Guard:
 
     def __init__(self, site: Site, func: Any, flat: Sequence[Any]) -> None:
         self._site = site
-        subs = _submodules(func, flat)
-        self.matches = tuple(m.training for m in subs) == site.flags
+        # NOTE [cached walks]: the reached modules, walked only when they changed.
+        subs, parameters, reached_buffers = site.walks.walk(_roots(func, flat))
+        self.matches = [m.training for m in subs] == site.flags
         if not self.matches:
             return
-        watched: dict[int, torch.Tensor] = {}
-        kinds: dict[int, str] = {}
-        for t in flat:
-            if isinstance(t, torch.Tensor):
-                watched.setdefault(id(t), t)
-                kinds.setdefault(id(t), "argument")
-        for t in _reached_tensors(func):
-            watched.setdefault(id(t), t)
-            kinds.setdefault(id(t), "tensor the function reaches")
-        buffers: list[torch.Tensor] = []
-        for sub in subs:
-            for p in sub._parameters.values():
-                if p is not None and id(p) not in watched:
-                    watched[id(p)] = p
-                    kinds[id(p)] = "parameter"
-            for b in sub._buffers.values():
-                if b is not None and id(b) not in watched:
-                    watched[id(b)] = b
-                    kinds[id(b)] = "buffer"
-                    buffers.append(b)
+        args = [t for t in flat if isinstance(t, torch.Tensor)]
+        reached = _reached_tensors(func)
+        given = [*args, *reached]
+        front = [*given, *parameters]
+        watched = dict(zip(map(id, front), front, strict=True))
+        buffers = [b for b in reached_buffers if id(b) not in watched]
+        watched.update(zip(map(id, buffers), buffers, strict=True))
         self._watched = list(watched.values())
-        self._kinds = kinds
+        self._kinds = (args, reached, parameters)  # as `_KINDS` names them
         self._versions = [t._version for t in self._watched]
         written, write_only = site.written, site.write_only
-        with hidden(), torch.no_grad():
-            self._copies = {
-                id(b): b.detach().clone()
-                for b in buffers
-                if b in written or (_nbytes(b) <= SMALL_BUFFER_BYTES and b not in write_only)
-            }
-        self.external = {storage_key(t) for t in self._watched if t.numel()}
+        copied = [
+            b
+            for b in buffers
+            if b in written or (_nbytes(b) <= SMALL_BUFFER_BYTES and b not in write_only)
+        ]
+        self._copies: dict[int, torch.Tensor] = {}
+        if copied:  # most calls copy nothing: no context entered for them
+            with hidden(), torch.no_grad():
+                self._copies = {id(b): b.detach().clone() for b in copied}
+        # NOTE [cached walks]: the reached parameters' and buffers' keys kept too.
+        self.external = site.walks.keys.keys([*parameters, *reached_buffers]) | storage_keys(given)
         self.devices = devices_among(self._watched)
 
+    def _kind(self, t: torch.Tensor) -> str:
+        """What ``t`` is to the call, for a message: the first of the kinds it is."""
+        for kind, among in zip(_KINDS, self._kinds, strict=True):
+            if any(x is t for x in among):
+                return kind
+        return "buffer"
+
     def written(
-        self, name: str
+        self, func: Any
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
         """What the forward wrote: (tensor, value before it) pairs, and write-only buffers.
 
@@ -309,11 +330,14 @@ class Guard:
             ForgetError: it wrote into a tensor it has no copy of and did not learn to
                 be write-only; the site goes back to the exact path.
         """
-        pairs, write_only = [], []
         copies, only = self._copies, self._site.write_only
+        any_only = bool(only)
+        if not copies and not any_only and [t._version for t in self._watched] == self._versions:
+            return [], []  # the common call: nothing written, nothing to compare
+        pairs, write_only = [], []
         for t, before in zip(self._watched, self._versions, strict=True):
-            copy = copies.get(id(t))
-            if copy is None and t in only:
+            copy = copies.get(id(t)) if copies else None
+            if copy is None and any_only and t in only:
                 write_only.append(t)  # batch norm's statistics: written, version or not
                 continue
             if t._version == before and (copy is None or _equal(copy, t)):
@@ -321,8 +345,8 @@ class Guard:
             if copy is None:
                 self._site.fast = False
                 raise ForgetError(
-                    f"forget: this call of {name} wrote in place into a "
-                    f"{self._kinds[id(t)]} of shape {list(t.shape)} that its first call did "
+                    f"forget: this call of {region_name(func)} wrote in place into a "
+                    f"{self._kind(t)} of shape {list(t.shape)} that its first call did "
                     "not write into, so its value before the forward was not kept and the "
                     "recomputation cannot be exact (NOTE [fast path]). Later calls of it "
                     "run the exact path; run this step again, or wrap the first call in "
@@ -427,11 +451,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _roots(func: Any, flat: Sequence[Any]) -> list[torch.nn.Module]:
+    """The modules ``func`` reaches and those among the arguments: every module under
+    them is the call's (`ModuleWalks.walk`)."""
+    return modules_reachable(func) + [m for m in flat if isinstance(m, torch.nn.Module)]
+
+
 def _submodules(func: Any, flat: Sequence[Any]) -> list[torch.nn.Module]:
     """Every module under those ``func`` reaches and those among the arguments, once."""
-    roots = modules_reachable(func) + [m for m in flat if isinstance(m, torch.nn.Module)]
     found: dict[int, torch.nn.Module] = {}
-    for root in roots:
+    for root in _roots(func, flat):
         if id(root) not in found:
             for sub in root.modules():
                 found.setdefault(id(sub), sub)

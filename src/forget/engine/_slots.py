@@ -17,7 +17,16 @@ from ._offload import Offloaded
 if TYPE_CHECKING:
     from ._region import Region
 
-__all__ = ["KeptSlot", "Slot", "external", "ordinal", "region_name", "saved_meta"]
+__all__ = [
+    "DroppableSlot",
+    "KeptSlot",
+    "Slot",
+    "external",
+    "held",
+    "ordinal",
+    "region_name",
+    "saved_meta",
+]
 
 
 def ordinal(n: int) -> str:
@@ -32,12 +41,10 @@ def external(t: torch.Tensor, key: tuple[torch.device, int]) -> bool:
 
     ``key`` is ``t``'s storage key (`storage_key`), worked out once by the caller.
     """
-    if not t.numel():
-        return False
-    for tracker in _packers.trackers:  # noqa: SIM110 (a loop: no generator per saved tensor)
+    for tracker in _packers.trackers:
         if tracker.made(key):
             return False
-    return True
+    return t.numel() > 0  # asked last: most saved tensors are the region's own
 
 
 class Slot:
@@ -102,6 +109,37 @@ class KeptSlot(Slot):
                 "would be wrong. Modify it after backward, or clone it before."
             )
         return self.value
+
+
+class DroppableSlot(Slot):
+    """A saved tensor a droppable region made, held until the region is dropped
+    (NOTE [droppable regions])."""
+
+    __slots__ = ("value", "version")
+
+    def __init__(self, region: Region, index: int, value: torch.Tensor) -> None:
+        self.region = region  # Slot's fields set here: one call less per saved tensor
+        self.index = index
+        self.value: torch.Tensor | None = value
+        self.version = value._version
+
+    def rebuilt(self, keep_graph: bool) -> bool:
+        return keep_graph or self.value is None
+
+
+def held(slot: DroppableSlot) -> torch.Tensor:
+    """The tensor a held slot holds, checked against in-place writes as autograd checks."""
+    value = slot.value
+    assert value is not None
+    if value._version != slot.version:
+        raise ForgetError(
+            f"forget: a tensor of shape {list(value.shape)} that "
+            f"{region_name(slot.region.func)} saved for backward was modified in place "
+            f"after it was saved (version {slot.version} -> {value._version}); "
+            "gradients would be wrong, as autograd says of a plain run. Modify a "
+            "clone instead."
+        )
+    return value
 
 
 def saved_meta(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:

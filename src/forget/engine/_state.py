@@ -57,8 +57,13 @@ __all__ = [
     "StopRecomputation",
     "current_values",
     "detached",
+    "dispatch_modes",
     "restore",
 ]
+
+
+#: How many dispatch modes this thread has on (trackers, torch's own modes).
+dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 class StopRecomputation(Exception):
@@ -75,9 +80,13 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     Under a dispatch mode each ``detach`` is a call into Python; for a plain
     tensor (no subclass whose ``__torch_dispatch__`` must run) the alias is made
     with Python dispatch off, several times cheaper (benchmarks/measured.md).
-    Subclasses go through `hidden`.
+    Subclasses go through `hidden`. With no mode on the dispatch stack (a fast
+    forward, NOTE [fast path]) nothing can see the op: a plain ``detach`` then,
+    as entering the switch costs more than the op (benchmarks/measured.md).
     """
     if type(t) in PLAIN_TYPES:
+        if not dispatch_modes():
+            return t.detach()
         with torch._C._DisableTorchDispatch():
             return t.detach()
     with hidden():

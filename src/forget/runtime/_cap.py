@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from ..engine import DroppableRegion, in_recomputing, run_region
+from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
 from ..errors import ForgetError
 from ..planning import find_candidates, is_wrapped
 from ..schedules import parse_budget
@@ -199,6 +198,7 @@ class Cap:
         self._history: list[StepReport] = []
         self._learned: dict[str, tuple[int, int, bool]] = {}
         self._extra_bytes = 0
+        self._walks = ModuleWalks()  # NOTE [cached walks]
         wrapped: list[nn.Module] = []
         try:
             for name in names:
@@ -260,6 +260,7 @@ class Cap:
             (args, kwargs),
             [] if previous is None else [e.name for e in previous.entries],
             self.eviction,
+            self._walks,
         )
         if step.cuda is not None:
             torch.cuda.reset_peak_memory_stats(step.cuda)
@@ -302,12 +303,10 @@ class Cap:
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
             step = self._begin(args, kwargs)
-        entry = step.enter(
-            name, [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        )
+        region = DroppableRegion(original, args, kwargs)
+        entry = step.enter(name, region.forward_inputs())
         start = time.perf_counter()
         try:
-            region = DroppableRegion(original, args, kwargs)
             out = region.run_forward()
         except BaseException:
             step.leave(entry, None, None, 0.0)

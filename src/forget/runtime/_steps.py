@@ -92,6 +92,7 @@ measured (benchmarks/measured.md, "eviction orders").
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import DroppableRegion, StorageKey, storage_key, storage_of
+from ..engine import (
+    DroppableRegion,
+    ModuleWalks,
+    StorageKey,
+    storage_key,
+    storage_keys,
+    storage_of,
+)
 from ..errors import ForgetError
 from ._grads import gradients_by_entry
 
@@ -216,6 +224,7 @@ class Step:
         eviction: the name of the eviction order (`EVICTIONS`).
         inputs: the step's inputs (the model's arguments): made before the step,
             they are not counted; their elements scale learned sizes.
+        walks: the model's last walk, kept from step to step (NOTE [cached walks]).
     """
 
     def __init__(
@@ -227,6 +236,7 @@ class Step:
         inputs: Any,
         order: list[str],
         eviction: str = "largest",
+        walks: ModuleWalks | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self._score = EVICTIONS[eviction]
@@ -246,7 +256,7 @@ class Step:
         self._live: dict[StorageKey, list[int]] = {}
         self._outside: dict[StorageKey, int] = {}
         # storage key -> the regions holding or keeping it (NOTE [the cap's count]).
-        self._holders: dict[StorageKey, list[_Entry]] = {}
+        self._holders: defaultdict[StorageKey, list[_Entry]] = defaultdict(list)
         self.now_bytes = 0
         # The regions' outputs: alive until used, held by no region before that.
         self._outputs: list[weakref.ref[torch.Tensor]] = []
@@ -254,19 +264,19 @@ class Step:
         self.largest_bytes = 0
         self._peak_at = -1
         self.order = order
-        params = [p for p in model.parameters()]
+        walks = walks or ModuleWalks()
+        _, params, buffers = walks.walk([model])
         self._model = model
         # The parameters whose gradient the step makes (they had none), and its bytes.
-        self._new_grads = [
-            (p, p.numel() * p.element_size()) for p in params if p.requires_grad and p.grad is None
-        ]
-        self.gradient_bytes = sum(nbytes for _, nbytes in self._new_grads)
+        self._new_grads = [(p, p.nbytes) for p in params if p.requires_grad and p.grad is None]
+        self.gradient_bytes = sum([nbytes for _, nbytes in self._new_grads])
         self._grads_by_entry: tuple[int, list[int]] | None = None
-        self._external = {storage_key(t) for t in (*params, *model.buffers(), *given)}
-        self.cuda = next((p.device for p in params if p.device.type == "cuda"), None)
+        self._external = walks.keys.keys([*params, *buffers]) | storage_keys(given)
+        devices = dict.fromkeys([p.device for p in params])
+        self.cuda = next((d for d in devices if d.type == "cuda"), None)
         self.cuda_start = torch.cuda.memory_allocated(self.cuda) if self.cuda is not None else 0
         # NOTE [the cap's count]: buffers as they were, put back if the cap cannot hold.
-        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self._buffers = [(b, b.detach().clone()) for b in buffers]
         for _, copy in self._buffers:
             self._hold(copy)
 
@@ -278,14 +288,19 @@ class Step:
         self._add(storage_key(t), s.nbytes())
 
     def _add(self, key: StorageKey, nbytes: int) -> None:
-        if key in self._external:
-            return
-        record = self._live.get(key)
-        if record is None:
-            self._live[key] = [nbytes, 1]
-            self.now_bytes += nbytes
-        else:
-            record[1] += 1
+        self._add_all({key: nbytes})
+
+    def _add_all(self, held: dict[StorageKey, int]) -> None:
+        """Count each storage of ``held`` (key -> bytes) as held once more."""
+        external, live = self._external, self._live
+        for key, nbytes in held.items():
+            if key in external:
+                continue
+            if key in live:
+                live[key][1] += 1
+            else:
+                live[key] = [nbytes, 1]
+                self.now_bytes += nbytes
 
     def _remove(self, key: StorageKey) -> None:
         record = self._live.get(key)
@@ -331,22 +346,22 @@ class Step:
         entry.end = self.boundaries + 1  # the boundary `settle` counts below
         entry.cost_s = cost_s
         entry.done = True
-        for key, nbytes in region.held_bytes.items():
-            self._add(key, nbytes)
-            self._holders.setdefault(key, []).append(entry)
-            entry.keys[key] = nbytes
-        for key, nbytes in region.kept_bytes.items():
-            self._add(key, nbytes)  # inputs: they stay while the region lives
-            self._holders.setdefault(key, []).append(entry)
-        entry.size = sum(region.held_bytes.values())
+        held, kept, holders = region.held_bytes, region.kept_bytes, self._holders
+        self._add_all(held)
+        self._add_all(kept)  # inputs: they stay while the region lives
+        for key in (*held, *kept):
+            holders[key].append(entry)
+        entry.keys = dict(held)
+        sizes = list(held.values())
+        entry.size = sum(sizes)
         self._grads_by_entry = None
-        entry.rebuilt = entry.size - sum(
-            nbytes for key, nbytes in region.held_bytes.items() if key in entry.inputs
-        )
-        _find_released(entry, region)
+        inputs = entry.inputs
+        entry.rebuilt = entry.size - sum([nbytes for key, nbytes in held.items() if key in inputs])
+        if entry.children:
+            _find_released(entry, region)
         entry.leaf = not entry.children
         entry.last = len(self.entries) - 1
-        entry.largest = max(region.held_bytes.values(), default=0)
+        entry.largest = max(sizes, default=0)
         entry.out = _tensor_bytes(out)
         self._outputs += [weakref.ref(t) for t in tensors_in(out)]
         self.largest_bytes = max(self.largest_bytes, entry.largest)
@@ -381,9 +396,14 @@ class Step:
         # Each storage is freed once backward is through the first region (in the
         # forward's order) that holds or keeps it.
         owned = [0] * len(entries)
+        live = self._live
         for key, holders in self._holders.items():
-            if holders and (record := self._live.get(key)) is not None:
-                owned[min(e.released.get(key, e.index) for e in holders)] += record[0]
+            if holders and key in live:
+                if len(holders) == 1:
+                    first = holders[0].released.get(key, holders[0].index)
+                else:
+                    first = min([e.released.get(key, e.index) for e in holders])
+                owned[first] += live[key][0]
         outside = max(0, now - sum(owned)) + self.model_output_bytes + self.extra_bytes
         # Past the last region, backward holds every gradient (NOTE [gradients as they come]).
         peak, where = outside + self.gradient_bytes, -1
