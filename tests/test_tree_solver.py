@@ -60,8 +60,8 @@ def brute_force(node: TreeNode, inside: bool = False) -> list[Assignment]:
     return out
 
 
-def best_extra(every: list[Assignment], base: int, budget: int) -> float | None:
-    fits = [extra for _, _, peak, extra in every if base + peak <= budget]
+def best_extra(every: list[Assignment], base: int, budget: int, floor: int = 0) -> float | None:
+    fits = [extra for _, _, peak, extra in every if max(base + peak, floor) <= budget]
     return min(fits) if fits else None
 
 
@@ -93,11 +93,13 @@ def trees(draw: Any, max_nodes: int = 8, min_time: int = 0) -> Tree:
             options=tuple(options),
             can_forget=draw(st.integers(0, 3)) > 0,
         )
-    return Tree(built[0], base_bytes=draw(st.integers(0, 100)))
+    # A floor (the gradients at backward's end) now below every plan, now above some.
+    floor = draw(st.sampled_from([0, 0, *range(50, 400, 25)]))
+    return Tree(built[0], base_bytes=draw(st.integers(0, 100)), floor_bytes=floor)
 
 
-def interesting_budgets(every: list[Assignment], base: int) -> list[int]:
-    peaks = {base + peak for _, _, peak, _ in every}
+def interesting_budgets(every: list[Assignment], base: int, floor: int = 0) -> list[int]:
+    peaks = {max(base + peak, floor) for _, _, peak, _ in every}
     return sorted({0, max(peaks) + 1} | peaks | {p - 1 for p in peaks if p})
 
 
@@ -108,21 +110,22 @@ def interesting_budgets(every: list[Assignment], base: int) -> list[int]:
 @given(trees())
 def test_solve_tree_matches_brute_force_on_every_budget(tree):
     every = brute_force(tree.root)
-    base = tree.base_bytes
-    # The model as the solver evaluates it agrees with the enumeration, to the byte.
+    base, floor = tree.base_bytes, tree.floor_bytes
+    # The model as the solver evaluates it agrees with the enumeration, to the byte;
+    # no step peaks below the floor (NOTE [tree cost model]).
     for choices, held, peak, extra in every[:: max(1, len(every) // 100)]:
-        assert tree_figures(tree, choices) == (held, base + peak, extra)
+        assert tree_figures(tree, choices) == (held, max(base + peak, floor), extra)
     # The frontier is the brute-force Pareto front of (step peak, extra).
     front: list[tuple[int, float]] = []
-    for peak, extra in sorted((base + p, e) for _, _, p, e in every):
+    for peak, extra in sorted((max(base + p, floor), e) for _, _, p, e in every):
         if not front or extra < front[-1][1]:
             front.append((peak, extra))
     assert tree_frontier(tree) == tuple(front)
     least = front[0][0]
     assert tree_min_feasible_bytes(tree) == least
     last = None
-    for budget in interesting_budgets(every, base):
-        expected = best_extra(every, base, budget)
+    for budget in interesting_budgets(every, base, floor):
+        expected = best_extra(every, base, budget, floor)
         if expected is None:
             with pytest.raises(BudgetInfeasibleError) as info:
                 solve_tree(tree, budget)
@@ -170,13 +173,13 @@ def test_keep_everything_when_the_budget_allows(tree, spare):
 @given(trees(), st.sampled_from([2, 16, 100]))
 def test_coarse_unit_plans_fit_exactly_and_lose_at_most_the_bound(tree, unit):
     every = brute_force(tree.root)
-    base = tree.base_bytes
+    base, floor = tree.base_bytes, tree.floor_bytes
     margin = 2 * len(tree) * (unit - 1)  # NOTE [tree Pareto solver]
     least = tree_min_feasible_bytes(tree, unit_bytes=unit)
     assert tree_min_feasible_bytes(tree) <= least <= tree_min_feasible_bytes(tree) + margin
-    for budget in [*interesting_budgets(every, base), least, max(least - 1, 0)]:
-        exact = best_extra(every, base, budget)
-        within_margin = best_extra(every, base, budget - margin)
+    for budget in [*interesting_budgets(every, base, floor), least, max(least - 1, 0)]:
+        exact = best_extra(every, base, budget, floor)
+        within_margin = best_extra(every, base, budget - margin, floor)
         try:
             plan = solve_tree(tree, budget, unit_bytes=unit)
         except BudgetInfeasibleError as error:

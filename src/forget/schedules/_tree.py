@@ -30,7 +30,14 @@ inside a child) and ``c_1 .. c_k`` its children:
   ``peak`` and ``extra`` as measured, every node below it kept, no region in it.
 
 The step peaks at ``base_bytes + peak(root)`` (`Tree.base_bytes`: parameters,
-gradients, optimizer state, inputs, loss). Two things the model assumes: a
+gradients, optimizer state, inputs, loss), and at no less than ``floor_bytes``
+(`Tree.floor_bytes`): what the step holds at some moment whatever the plan,
+every parameter's gradient at backward's end. ``base_bytes`` is taken at the
+plain step's peak, where backward starts; a model whose gradients outweigh its
+activations peaks at backward's end instead, and without the floor the model
+predicted less than the gradients alone for forgetting every layer (a timm
+ViT-Tiny: 13,020,872 B named the least, with 22,731,424 B of gradients;
+benchmarks/measured.md, "Models nobody here wrote"). Two things the model assumes: a
 forgotten region's first forward holds only its inputs, whatever the nodes in
 it choose, so an option that would hold bytes there (a policy keep, as NOTE
 [options at the top level] in `._dp` measured) is offered outside regions only
@@ -174,19 +181,25 @@ class Tree:
         root: the outermost module.
         base_bytes: bytes alive at the step's peak whatever the plan (parameters,
             gradients, optimizer state, inputs, loss); 0 by default.
+        floor_bytes: the least the step peaks at whatever the plan (every parameter
+            gradient, held at backward's end); 0 by default.
 
     Raises:
-        ValueError: two nodes of the same name, negative ``base_bytes``.
+        ValueError: two nodes of the same name, negative ``base_bytes`` or
+            ``floor_bytes``.
     """
 
     root: TreeNode
     base_bytes: int = 0
+    floor_bytes: int = 0
     _nodes: dict[str, TreeNode] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, TreeNode):
             raise TypeError(f"forget: Tree.root must be a TreeNode, got {type(self.root).__name__}")
         object.__setattr__(self, "base_bytes", _check_bytes("Tree", "base_bytes", self.base_bytes))
+        floor = _check_bytes("Tree", "floor_bytes", self.floor_bytes)
+        object.__setattr__(self, "floor_bytes", floor)
         nodes: dict[str, TreeNode] = {}
         for node in _preorder(self.root):
             if node.name in nodes:
@@ -237,7 +250,7 @@ def tree_figures(tree: Tree, choices: Mapping[str, str]) -> TreeFigures:
 
     Returns:
         ``(held_bytes, peak_bytes, extra_s)``; the peak is the step's,
-        ``base_bytes`` included.
+        ``base_bytes`` included, and no less than ``floor_bytes``.
 
     Raises:
         ValueError: a name that is not a node, a choice the node does not
@@ -263,7 +276,7 @@ def tree_figures(tree: Tree, choices: Mapping[str, str]) -> TreeFigures:
                 f"forget: node {name!r} has no choice {choice!r}{why}; its choices are: {valid}"
             )
     held, peak, extra = _figures(tree.root, choices, None, None)
-    return TreeFigures(held, tree.base_bytes + peak, extra)
+    return TreeFigures(held, max(tree.base_bytes + peak, tree.floor_bytes), extra)
 
 
 # --- helpers -----------------------------------------------------------------------------

@@ -189,7 +189,8 @@ _Point = tuple[int, float, int, _Entry]  # step peak, extra_s, held bytes, root 
 def _solved(tree: Tree, unit: int) -> tuple[tuple[int, ...], tuple[_Point, ...]]:
     """The root's exact (peak, extra) frontier, peaks rising: (peaks, points)."""
     top, _ = _fronts(tree.root, unit)
-    ranked = sorted(((tree.base_bytes + e[4], e[2], e[3], e) for e in top), key=_KEY)
+    base, floor = tree.base_bytes, tree.floor_bytes
+    ranked = sorted(((max(base + e[4], floor), e[2], e[3], e) for e in top), key=_KEY)
     points: list[_Point] = []
     for point in ranked:
         if not points or point[1] < points[-1][1]:

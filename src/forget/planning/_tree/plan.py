@@ -240,7 +240,11 @@ class TreePlan(SavedAsJson):
         return {
             "format": _FORMAT,
             "choices": dict(self.choices),
-            "tree": {"base_bytes": self.tree.base_bytes, "root": _node_dict(self.tree.root)},
+            "tree": {
+                "base_bytes": self.tree.base_bytes,
+                "floor_bytes": self.tree.floor_bytes,
+                "root": _node_dict(self.tree.root),
+            },
             "budget_bytes": self.budget_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,
             "ledger_peak_bytes": self.ledger_peak_bytes,
@@ -270,7 +274,11 @@ class TreePlan(SavedAsJson):
         tree = obj["tree"]
         return cls(
             choices={str(k): str(v) for k, v in obj["choices"].items()},
-            tree=P.Tree(_node(tree["root"]), base_bytes=int(tree["base_bytes"])),
+            tree=P.Tree(
+                _node(tree["root"]),
+                base_bytes=int(tree["base_bytes"]),
+                floor_bytes=int(tree.get("floor_bytes", 0)),  # none in older files
+            ),
             budget_bytes=int(obj["budget_bytes"]),
             measured_peak_bytes=int(obj["measured_peak_bytes"]),
             ledger_peak_bytes=int(obj["ledger_peak_bytes"]),

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +141,7 @@ def profile_tree(
                 first, names, layouts, own, inputs, ledger_peak = _bytes(
                     fake, names, candidates is not None, "on fake tensors"
                 )
+                floor = _gradient_bytes(fake.state.values())
         except ForgetError:
             raise
         except RuntimeError as exc:  # an op fake tensors cannot run: data-dependent, say
@@ -156,6 +157,7 @@ def profile_tree(
             first, names, layouts, own, inputs, ledger_peak = _bytes(
                 step, names, candidates is not None, "on real tensors"
             )
+            floor = _gradient_bytes(model.parameters())
         parent = parents(names)
         rep_of = _alike(model, names, layouts)
         zero_grads(target)
@@ -211,7 +213,7 @@ def profile_tree(
 
     root = node(ROOT)
     predicted = P.tree_figures(P.Tree(root), {}).peak_bytes
-    tree = P.Tree(root, base_bytes=max(0, plain_peak - predicted))
+    tree = P.Tree(root, base_bytes=max(0, plain_peak - predicted), floor_bytes=floor)
     return TreeProfile(tree, plain_peak, ledger_peak, probe, tuple(real))
 
 
@@ -228,6 +230,12 @@ def _bytes(
         own, inputs, ledger_peak = _attribute(step, names, parent)
     check_same_calls(model, first, again, f"second run (under the ledger, {where})")
     return first, names, layouts, own, inputs, ledger_peak
+
+
+def _gradient_bytes(parameters: Iterable[Tensor]) -> int:
+    """Bytes of the gradients a step made: all held at backward's end, whatever the plan
+    (``Tree.floor_bytes``, NOTE [tree cost model]); a parameter the step did not use has none."""
+    return sum(t.numel() * t.element_size() for t in parameters if t.grad is not None)
 
 
 def _names(calls: list[Call]) -> list[Call]:
