@@ -69,6 +69,18 @@ ledger's bytes are not the process's resident memory: glibc keeps freed heap
 pages, so planning runs with large blocks mapped for themselves (NOTE [freed
 heap] in `._heap`).
 
+NOTE [close enough]: a measured step costs about two plain steps (the guard's
+ledger and the allocator's record see every op), and the search and the walk
+of NOTE [one region fewer] measured points that could save a fraction of a
+millisecond: on the ResNet of benchmarks/tree_targets.py at 75 %, they
+measured nine assignments predicted to add 10.5 to 12.7 ms, one after the
+other. So the search stops once the points left between the last fit and the
+first miss are predicted to save no more than the tolerance over the last fit,
+and the walk measures no variant predicted to save less: a 64th of the
+predicted forward (the top candidates' ``forward_s``), about a 200th of a
+step. A plan the search stops at is at most that slower, by the cost model,
+than one it would have gone on to find.
+
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
 not hold the same bytes: on a residual MLP whose blocks were kept in part
@@ -147,6 +159,9 @@ _MAX_PROBES = 10
 # The search stops once a fitting and a missing point are predicted this close:
 # within the plain peak over this (a finer step trades less than 0.8 % of it).
 _RESOLUTION = 128
+# The search stops where what is left to gain is below the forward's time over this
+# (NOTE [close enough]).
+_TIME_RESOLUTION = 64
 # Assignments with one region fewer measured per budget, at most (NOTE [one region fewer]).
 _MAX_DROPS = 4
 # Fitting assignments timed side by side, at most (those of least predicted extra time).
@@ -245,6 +260,9 @@ class TreePlanner:
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
         self.frontier = P.tree_frontier(self.tree, unit_bytes=self.unit)
+        # NOTE [close enough]: the search's step in time, a share of the forward's.
+        forward_s = sum(child.forward_s for child in self.tree.root.children)
+        self.tolerance_s = forward_s / _TIME_RESOLUTION
         # Every assignment measured, with its allocator peak (NOTE [tree plans measured]),
         # and those the guard stopped, with the bound they passed (NOTE [guarded steps]).
         self.measured: dict[_Key, tuple[dict[str, str], int]] = {}
@@ -379,6 +397,7 @@ class TreePlanner:
     def _search(self, budget_bytes: int) -> None:
         """Measure assignments along the frontier near the budget (NOTE [tree plans measured])."""
         predicted = [peak for peak, _ in self.frontier]
+        extras = [extra for _, extra in self.frontier]
         lo, hi = -1, len(predicted)  # the last index known to fit, the first known not to
         i = min(max(bisect_right(predicted, budget_bytes) - 1, 0), hi - 1)
         step = 1
@@ -396,6 +415,9 @@ class TreePlanner:
             if hi - lo <= 1 or (
                 known and predicted[hi] - predicted[lo] <= self.plain_peak // _RESOLUTION
             ):
+                break
+            # NOTE [close enough]: no point left between them is predicted to save more.
+            if lo >= 0 and extras[lo] - extras[hi - 1] <= self.tolerance_s:
                 break
             i = nxt if lo < nxt < hi else (lo + hi) // 2
 
@@ -415,6 +437,9 @@ class TreePlanner:
             if not missed:  # the model foresaw every miss: only where it over-predicted
                 error = best_peak - self.predicted_peak(best)
                 untried = [v for v in untried if self.predicted_peak(v) + error <= budget_bytes]
+            # NOTE [close enough]: a region whose re-run costs less is not worth a step.
+            least_s = self.extra_s(best) - self.tolerance_s
+            untried = [v for v in untried if self.extra_s(v) < least_s]
             for variant in sorted(untried, key=self.predicted_peak)[: _MAX_DROPS - tries]:
                 tries += 1
                 if self.peak(variant) <= budget_bytes:
