@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from .. import schedules as P
-from ..memory import Ledger, measure, watch
+from ..memory import Ledger, allocator_peak, measure, watch
 
-__all__ = ["Overrun", "Peak", "budget_bytes", "guard", "guarded_peak"]
+__all__ = ["Overrun", "Peak", "budget_bytes", "guard", "guarded_peak", "peak_bytes"]
 
 # NOTE [free budget]: ``budget="free"`` is what the CUDA device has free now
 # (``torch.cuda.mem_get_info``: other processes and this one's CUDA context
@@ -160,6 +160,17 @@ def guard(limit_bytes: int | None, probe: str) -> Iterator[Ledger | None]:
         yield ledger
 
 
+def peak_bytes(run: Callable[[], object], probe: str) -> int:
+    """The peak of ``run()`` by ``probe``; the CPU allocator's by its events alone.
+
+    The planner reads a step's peak alone, never its phases: NOTE [allocations
+    alone] in `forget.memory`.
+    """
+    if probe == "profiler":
+        return allocator_peak(run)
+    return measure(run, probe=probe).peak_bytes
+
+
 def guarded_peak(run: Callable[[], object], probe: str, limit_bytes: int | None) -> Peak:
     """The peak of ``run()`` by ``probe``, stopped once it passes ``limit_bytes``.
 
@@ -168,10 +179,10 @@ def guarded_peak(run: Callable[[], object], probe: str, limit_bytes: int | None)
     CPU the result carries the guard's ledger peak too (`Peak`).
     """
     if limit_bytes is None:
-        return Peak(measure(run, probe=probe).peak_bytes)
+        return Peak(peak_bytes(run, probe))
     try:
         with guard(limit_bytes, probe) as ledger:
-            peak = measure(run, probe=probe).peak_bytes
+            peak = peak_bytes(run, probe)
         return Peak(peak, ledger_bytes=None if ledger is None else ledger.peak)
     except Overrun as exc:
         stopped = Overrun(exc.limit_bytes, exc.live_bytes)  # not exc: its frames hold the step

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from ...engine import storage_of
 from ...memory import Ledger, measure, watch
 from ...policies import Policy
-from .._guard import Overrun, guard
+from .._guard import Overrun, guard, peak_bytes
 from .._timing import _median_s, _region_overhead_s, _step_of, time_calls
 from .apply import applied, run_option
 from .step import TreeStep
@@ -251,7 +251,7 @@ class _Alone:
         ledger = Ledger()
         try:
             with watch(ledger):
-                by_allocator = measure(self.step, probe=probe).peak_bytes
+                by_allocator = peak_bytes(self.step, probe)
         finally:
             ledger.close()
         self.clear()
