@@ -202,9 +202,10 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     pays for those records and for walking them. Here the profiler records
     only the allocator's events and autograd's backward functions (its
     ``RecordScope.BACKWARD_FUNCTION``; no op event): the same allocations, so
-    the same peak, in about two thirds of the probe's extra time on a 4-layer
-    Llama step. Where torch's profiler cannot be started that way, the full
-    probe runs.
+    the same peak (to the byte on the models of benchmarks/tree_targets.py and
+    the probes' test models), with less of the profiler's work per op and fewer
+    events to walk (benchmarks/measured.md). Where torch's profiler cannot be
+    started that way, the full probe runs.
     """
     from torch._C._profiler import ProfilerActivity, RecordScope
     from torch.autograd import profiler as autograd_profiler
