@@ -70,16 +70,18 @@ pages, so planning runs with large blocks mapped for themselves (NOTE [freed
 heap] in `._heap`).
 
 NOTE [close enough]: a measured step costs about two plain steps (the guard's
-ledger and the allocator's record see every op), and the search and the walk
-of NOTE [one region fewer] measured points that could save a fraction of a
-millisecond: on the ResNet of benchmarks/tree_targets.py at 75 %, they
-measured nine assignments predicted to add 10.5 to 12.7 ms, one after the
-other. So the search stops once the points left between the last fit and the
-first miss are predicted to save no more than the tolerance over the last fit,
-and the walk measures no variant predicted to save less: a 64th of the
-predicted forward (the top candidates' ``forward_s``), about a 200th of a
-step. A plan the search stops at is at most that slower, by the cost model,
-than one it would have gone on to find.
+ledger and the allocator's record see every op), and the search measured points
+that could save a fraction of a millisecond over the last fit: on the 4-layer
+Llama of benchmarks/tree_targets.py at 75 %, after a fit predicted to add 17.2
+ms and a miss at 11.3 ms, the point between measured predicted 17.0 ms. So the
+search stops once the points left between the last fit and the first miss are
+predicted to save no more than a 64th of the predicted forward (the top
+candidates' ``forward_s``, about a 200th of a step) over the last fit: a plan
+the search stops at is at most that slower, by the cost model, than one it
+would have gone on to find. The walk of NOTE [one region fewer] keeps its
+variants: each saves one small region's re-run (a ResNet's convolution, about
+a 36th of the step), under this tolerance alone, but they add up along the
+walk.
 
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
@@ -437,9 +439,6 @@ class TreePlanner:
             if not missed:  # the model foresaw every miss: only where it over-predicted
                 error = best_peak - self.predicted_peak(best)
                 untried = [v for v in untried if self.predicted_peak(v) + error <= budget_bytes]
-            # NOTE [close enough]: a region whose re-run costs less is not worth a step.
-            least_s = self.extra_s(best) - self.tolerance_s
-            untried = [v for v in untried if self.extra_s(v) < least_s]
             for variant in sorted(untried, key=self.predicted_peak)[: _MAX_DROPS - tries]:
                 tries += 1
                 if self.peak(variant) <= budget_bytes:
