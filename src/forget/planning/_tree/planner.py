@@ -69,11 +69,12 @@ ledger's bytes are not the process's resident memory: glibc keeps freed heap
 pages, so planning runs with large blocks mapped for themselves (NOTE [freed
 heap] in `._heap`).
 
-NOTE [close enough]: a measured step costs about two plain steps (the guard's
-ledger and the allocator's record see every op), and the search measured points
-that could save a fraction of a millisecond over the last fit: on the 4-layer
-Llama of benchmarks/tree_targets.py at 75 %, after a fit predicted to add 17.2
-ms and a miss at 11.3 ms, the point between measured predicted 17.0 ms. So the
+NOTE [close enough]: a measured step costs two to four plain steps (the guard's
+ledger and the allocator's record see every op; regions add their own), and the
+search measured points that could save a fraction of a millisecond over the
+last fit: on the 4-layer Llama of benchmarks/tree_targets.py at 75 %, after a
+fit predicted to add 17.2 ms and a miss at 11.3 ms, the next point it measured
+was predicted to add 17.0 ms. So the
 search stops once the points left between the last fit and the first miss are
 predicted to save no more than a 64th of the predicted forward (the top
 candidates' ``forward_s``, about a 200th of a step) over the last fit: a plan
