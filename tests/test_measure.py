@@ -276,6 +276,29 @@ def test_allocator_probe_leaves_out_frees_of_memory_made_before_the_call():
     assert [r.end_bytes for r in runs] == [ledger.end_bytes] * 3
 
 
+@pytest.mark.parametrize("name", list(MODELS), ids=list(MODELS))
+def test_allocator_peak_is_the_profiler_probes_peak(name):
+    # NOTE [allocations alone]: the same allocator events, without the op events.
+    make, shape = MODELS[name]
+    model = make()
+    x = torch.randn(shape)
+    _fresh(model)
+    profiled = measure(_step(model, x), probe="profiler")
+    _fresh(model)
+    assert forget.memory.allocator_peak(_step(model, x)) == profiled.peak_bytes
+
+
+def test_allocator_peak_keeps_kinetos_log_off_stderr_and_stops_its_profiler_on_error(capfd):
+    def fails() -> None:
+        torch.ones(10)
+        raise KeyError("stop")
+
+    with pytest.raises(KeyError):
+        forget.memory.allocator_peak(fails)
+    assert forget.memory.allocator_peak(lambda: torch.ones(1000, 1000)) == 4_000_000
+    assert capfd.readouterr().err == ""
+
+
 def test_allocator_probe_of_known_sizes():
     def f() -> torch.Tensor:
         a = torch.ones(1000, 1000)

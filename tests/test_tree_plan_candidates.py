@@ -231,7 +231,8 @@ def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(
     planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
     plain, n = planner.plain_peak, 1000
     predicted = [plain * i // n for i in range(n)]
-    planner.frontier = [(p, 0.0) for p in predicted]
+    # Each point a second faster than the one before: none is close enough (NOTE [close enough]).
+    planner.frontier = [(p, float(n - i)) for i, p in enumerate(predicted)]
     measured: list[int] = []
 
     def true_peak(i: int) -> int:
@@ -252,6 +253,26 @@ def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(
     # A miss at the predicted point, 10 points' worth over: down to the last point
     # predicted to fit with that error, a fit; one step up, a miss; close enough.
     assert measured == [500, 490, 492]
+
+
+def test_the_search_stops_once_no_point_left_is_predicted_to_save_time(fixed_clock):
+    # NOTE [close enough]: the same frontier, its points a nanosecond apart in time.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    plain, n = planner.plain_peak, 1000
+    predicted = [plain * i // n for i in range(n)]
+    planner.frontier = [(p, (n - i) * 1e-9) for i, p in enumerate(predicted)]
+    assert planner.tolerance_s > 9e-9
+    measured: list[int] = []
+
+    def peak(choices):
+        measured.append(int(choices["at"]))
+        return predicted[measured[-1]] + 10 * plain // n
+
+    planner.choices_at = lambda i: {"at": str(i)}  # type: ignore[method-assign]
+    planner.peak = peak  # type: ignore[method-assign]
+    planner._search(plain // 2)
+    # A miss at 500, a fit at 490: the points between save 9 ns at most.
+    assert measured == [500, 490]
 
 
 _BEST = {"a": "forget", "b": "forget", "c": "forget"}

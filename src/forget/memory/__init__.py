@@ -3,7 +3,8 @@
 - `_ledger`: the dispatch mode that counts every storage a call makes
   (NOTE [the ledger]) and `region` marks.
 - `_measure`: `measure` by the ledger, the profiler's allocator events or
-  CUDA's allocator (NOTE [the two probes]); `frozen_heap`.
+  CUDA's allocator (NOTE [the two probes]); `allocator_peak`, the peak alone;
+  `frozen_heap`.
 - `_saved`: `saved`, what a call keeps for backward.
 - `_reports`: the frozen reports they return.
 
@@ -15,6 +16,7 @@ from ._ledger import StorageRecord as StorageRecord
 from ._ledger import region as region
 from ._ledger import watch as watch
 from ._measure import PROBES as PROBES
+from ._measure import allocator_peak as allocator_peak
 from ._measure import frozen_heap as frozen_heap
 from ._measure import measure as measure
 from ._reports import MemoryReport as MemoryReport
@@ -31,6 +33,7 @@ __all__ = [
     "SavedReport",
     "SavedTensor",
     "StorageRecord",
+    "allocator_peak",
     "frozen_heap",
     "measure",
     "region",

@@ -57,7 +57,7 @@ import torch
 from ._ledger import Ledger, region, watch
 from ._reports import MemoryReport, RegionStats
 
-__all__ = ["PROBES", "frozen_heap", "measure"]
+__all__ = ["PROBES", "allocator_peak", "frozen_heap", "measure"]
 
 PROBES = ("ledger", "profiler", "cuda")
 
@@ -191,6 +191,51 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
         probe="profiler",
         result=result,
     )
+
+
+def allocator_peak(fn: Callable[[], Any]) -> int:
+    """The CPU allocator's peak bytes of ``fn()``, as ``measure(fn, probe="profiler")``'s.
+
+    NOTE [allocations alone]: `measure`'s profiler records every op too (it
+    splits the peak by phase, and reads the backward's spans from its events);
+    a caller that wants the peak alone, a planner measuring step after step,
+    pays for those records and for walking them. Here the profiler records
+    only the allocator's events and autograd's backward functions (its
+    ``RecordScope.BACKWARD_FUNCTION``; no op event): the same allocations, so
+    the same peak (to the byte on the models of benchmarks/tree_targets.py and
+    the probes' test models), with less of the profiler's work per op and fewer
+    events to walk (benchmarks/measured.md). Where torch's profiler cannot be
+    started that way, the full probe runs.
+    """
+    from torch._C._profiler import ProfilerActivity, RecordScope
+    from torch.autograd import profiler as autograd_profiler
+
+    try:
+        prof = autograd_profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
+        try:
+            config = prof.config(create_trace_id=False)
+        except TypeError:  # torch < 2.6
+            config = prof.config()
+        activities = {ProfilerActivity.CPU}
+        scopes = {RecordScope.BACKWARD_FUNCTION}
+    except (AttributeError, TypeError):  # pragma: no cover - another torch
+        return measure(fn, probe="profiler").peak_bytes
+    with _without_kineto_log():
+        autograd_profiler._prepare_profiler(config, activities)
+        autograd_profiler._enable_profiler(config, activities, scopes)  # type: ignore[call-arg]
+        try:
+            fn()
+            gc.collect()
+        finally:
+            results = autograd_profiler._disable_profiler()
+    tree = results.experimental_event_tree()
+    memory, _ = _read_tree(tree)
+    del tree, results
+    live = peak = 0
+    for _, _, nbytes, _ in memory:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 @contextmanager

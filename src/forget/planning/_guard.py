@@ -18,6 +18,8 @@ its limit:
   emptied after it.
 
 A stopped step is a measured miss: its peak is known only to pass the limit.
+On CPU the guard's ledger sees every storage the step makes, so a step that
+runs through also has its ledger peak (`Peak.ledger_bytes`) at no second run.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from typing import Any
 import torch
 
 from .. import schedules as P
-from ..memory import Ledger, measure, watch
+from ..memory import Ledger, allocator_peak, measure, watch
 
-__all__ = ["Overrun", "Peak", "budget_bytes", "guard", "guarded_peak"]
+__all__ = ["Overrun", "Peak", "budget_bytes", "guard", "guarded_peak", "peak_bytes"]
 
 # NOTE [free budget]: ``budget="free"`` is what the CUDA device has free now
 # (``torch.cuda.mem_get_info``: other processes and this one's CUDA context
@@ -57,10 +59,15 @@ class Overrun(Exception):
 
 @dataclass(frozen=True)
 class Peak:
-    """A guarded step's peak: exact, or (``stopped``) a lower bound past the limit."""
+    """A guarded step's peak: exact, or (``stopped``) a lower bound past the limit.
+
+    ``ledger_bytes`` is the same step's peak by the guard's ledger (CPU, not
+    stopped), else None.
+    """
 
     bytes: int
     stopped: bool = False
+    ledger_bytes: int | None = None
 
 
 class _GuardLedger(Ledger):
@@ -77,11 +84,11 @@ class _GuardLedger(Ledger):
 
 
 @contextlib.contextmanager
-def _cpu_guard(limit_bytes: int) -> Iterator[None]:
+def _cpu_guard(limit_bytes: int) -> Iterator[Ledger]:
     ledger = _GuardLedger(limit_bytes)
     try:
         with watch(ledger):
-            yield
+            yield ledger
     finally:
         ledger.close()
 
@@ -135,35 +142,50 @@ def budget_bytes(budget: int | float | str | None, plain_peak_bytes: int, probe:
 
 
 @contextlib.contextmanager
-def guard(limit_bytes: int | None, probe: str) -> Iterator[None]:
+def guard(limit_bytes: int | None, probe: str) -> Iterator[Ledger | None]:
     """Stop what runs inside once it allocates past ``limit_bytes`` (`Overrun`); None: no guard.
 
     ``probe`` says which memory counts: ``"cuda"`` the caching allocator's,
-    any other the CPU storages the ledger sees (NOTE [guarded steps]).
+    any other the CPU storages the ledger sees (NOTE [guarded steps]). Yields
+    that ledger (its figures are the block's), or None.
     """
     if limit_bytes is None:
-        yield
+        yield None
         return
-    with (_cuda_guard if probe == "cuda" else _cpu_guard)(limit_bytes):
-        yield
+    if probe == "cuda":
+        with _cuda_guard(limit_bytes):
+            yield None
+        return
+    with _cpu_guard(limit_bytes) as ledger:
+        yield ledger
+
+
+def peak_bytes(run: Callable[[], object], probe: str) -> int:
+    """The peak of ``run()`` by ``probe``; the CPU allocator's by its events alone.
+
+    The planner reads a step's peak alone, never its phases: NOTE [allocations
+    alone] in `forget.memory`.
+    """
+    if probe == "profiler":
+        return allocator_peak(run)
+    return measure(run, probe=probe).peak_bytes
 
 
 def guarded_peak(run: Callable[[], object], probe: str, limit_bytes: int | None) -> Peak:
     """The peak of ``run()`` by ``probe``, stopped once it passes ``limit_bytes``.
 
     ``limit_bytes`` None runs unguarded. The caller restores the model after a
-    stopped step (`untouched`); everything the step made is freed here.
+    stopped step (`untouched`); everything the step made is freed here. On
+    CPU the result carries the guard's ledger peak too (`Peak`).
     """
     if limit_bytes is None:
-        return Peak(measure(run, probe=probe).peak_bytes)
-    stopped: Overrun | None = None
+        return Peak(peak_bytes(run, probe))
     try:
-        with guard(limit_bytes, probe):
-            peak = measure(run, probe=probe).peak_bytes
+        with guard(limit_bytes, probe) as ledger:
+            peak = peak_bytes(run, probe)
+        return Peak(peak, ledger_bytes=None if ledger is None else ledger.peak)
     except Overrun as exc:
         stopped = Overrun(exc.limit_bytes, exc.live_bytes)  # not exc: its frames hold the step
-    if stopped is None:
-        return Peak(peak)
     gc.collect()  # the step's reference cycles (autograd graph, regions) go with it
     if probe == "cuda":
         torch.cuda.empty_cache()

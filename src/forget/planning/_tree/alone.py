@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ...engine import storage_of
-from ...memory import measure
+from ...memory import Ledger, measure, watch
 from ...policies import Policy
-from .._guard import Overrun, guard
+from .._guard import Overrun, guard, peak_bytes
 from .._timing import _median_s, _region_overhead_s, _step_of, time_calls
 from .apply import applied, run_option
 from .step import TreeStep
@@ -245,12 +245,17 @@ class _Alone:
         """
         if probe == "ledger":
             return 0
+        # One step, watched by both: the ledger's dispatch mode is on in every measured
+        # step of the planner too (the guard's, NOTE [guarded steps]).
         self.clear()
-        by_allocator = measure(self.step, probe=probe).peak_bytes
+        ledger = Ledger()
+        try:
+            with watch(ledger):
+                by_allocator = peak_bytes(self.step, probe)
+        finally:
+            ledger.close()
         self.clear()
-        by_ledger = measure(self.step).peak_bytes
-        self.clear()
-        return max(0, by_allocator - by_ledger)
+        return max(0, by_allocator - ledger.peak)
 
     def option_bytes(self, policies: Mapping[str, Policy]) -> dict[str, int]:
         """Per option offered, the bytes it saves fewer than keeping.
@@ -293,7 +298,9 @@ class _Alone:
         steps.update(
             (name, _step_of(functools.partial(self.loss, policies[name]))) for name in offered
         )
-        rounds = time_calls(steps, max(3, repeats), prepare=lambda _: self.clear())
+        # Every option ran in `option_bytes`, and the plain step in `workspace_bytes`
+        # (forward and backward, where a workspace is learned): no warm-up round.
+        rounds = time_calls(steps, max(3, repeats), prepare=lambda _: self.clear(), warm_up=False)
         plain = rounds.pop(None)  # the plain step, once a round beside every option
         extra = {
             name: max(0.0, statistics.median(t - p for t, p in zip(times, plain, strict=True)))
