@@ -730,7 +730,7 @@ def _lm_inputs(tokens: int, low: int = 0) -> Callable[[], Inputs]:
 
 
 BUDGET_MODELS: dict[str, tuple[Callable[[], Any], Callable[[], Inputs]]] = {
-    "llama": (lambda: _llama(layers=4), _lm_inputs(64)),
+    "llama": (_llama, _lm_inputs(64)),
     "gpt2": (_gpt2, _lm_inputs(32)),
     "bert": (_bert, _lm_inputs(32, low=1)),
     "t5": (_t5, lambda: {"input_ids": _tokens(4, 32, 2), "labels": _tokens(4, 16, 2, seed=2)}),
