@@ -500,3 +500,25 @@ def test_gradients_come_with_the_region_that_owns_and_alone_uses_them() -> None:
     assert always == 4 * (64 + 64 + 8)
     # a's bias comes at a, b's at b: backward has both once it reaches a.
     assert later == [4 * 16, 4 * 8, 0]
+
+
+def test_the_allocator_peak_is_read_as_the_backward_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [the cap's count]: on CUDA the step's allocator peak teaches the reserve;
+    # it is read when backward ends, before an optimizer makes its state. CUDA's
+    # counter is stood in for: 1,000 B over the estimate then, a GB after.
+    net = _net()
+    handle = forget.cap(net, 10**12)
+    out = net(_x(16))
+    step = handle._step
+    assert step is not None and not step.backward_ended
+    step.cuda = torch.device("cuda")  # the reading goes to the stand-in
+    readings = iter([step.estimated_peak_bytes + 1000, 10**9])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(readings))
+    seen = []
+    out.register_hook(lambda grad: seen.append(step.backward_ended))
+    out.square().mean().backward()
+    assert seen == [False] and step.backward_ended
+    assert step.backward_peak_bytes == step.estimated_peak_bytes + 1000
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    net(_x(16))  # the next step learns from the reading at the backward's end
+    assert handle._extra_bytes == 1000

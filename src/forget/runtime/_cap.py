@@ -249,8 +249,11 @@ class Cap:
         if previous is not None:
             self._history = [*self._history, previous.report()][-_HISTORY + 1 :]
             if previous.cuda is not None:
-                # NOTE [the cap's count]: the allocator's peak teaches the reserve.
-                peak = torch.cuda.max_memory_allocated(previous.cuda) - previous.cuda_start
+                # NOTE [the cap's count]: the allocator's peak teaches the reserve, as
+                # it was when the backward ended.
+                peak = previous.backward_peak_bytes
+                if peak is None:
+                    peak = torch.cuda.max_memory_allocated(previous.cuda) - previous.cuda_start
                 self._extra_bytes += max(0, peak - previous.estimated_peak_bytes)
         step = Step(
             self.model,

@@ -49,7 +49,10 @@ region's term in backward; the figures are in benchmarks/measured.md.
 The model is conservative (the tests and benchmarks/measured.md give the
 measured peaks against it); on CUDA the allocator's peak above a step's
 estimate is added to the next steps' reserve, which so learns what the model
-missed.
+missed. It is read as the step's backward ends (a hook on the model's output
+queues it on autograd's engine), not at the next step's start: an optimizer's
+state made between (Adam's, on the first step) is not the step's. A step
+whose backward never comes is read at the next step's start.
 
 While the estimate passes the cap, regions are evicted (NOTE [eviction order]);
 when no region is left to evict, the cap cannot hold and the step stops with a
@@ -275,6 +278,9 @@ class Step:
         devices = dict.fromkeys([p.device for p in params])
         self.cuda = next((d for d in devices if d.type == "cuda"), None)
         self.cuda_start = torch.cuda.memory_allocated(self.cuda) if self.cuda is not None else 0
+        # The allocator's peak when the backward ended (NOTE [the cap's count]); CUDA only.
+        self.backward_peak_bytes: int | None = None
+        self.backward_ended = False
         # NOTE [the cap's count]: buffers as they were, put back if the cap cannot hold.
         self._buffers = [(b, b.detach().clone()) for b in buffers]
         for _, copy in self._buffers:
@@ -375,6 +381,20 @@ class Step:
         self.model_output_bytes = 0 if loss_inside else _tensor_bytes(out)
         self.settle("the end of the model's forward", last=True)
         self.closed = True
+        grad = next((t for t in tensors_in(out) if t.requires_grad), None)
+        if grad is not None:
+            grad.register_hook(self._backward_started)
+
+    def _backward_started(self, _: torch.Tensor) -> None:
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        """Backward has ended (NOTE [the cap's count]): on CUDA, read the step's peak."""
+        self.backward_ended = True
+        if self.cuda is not None:
+            peak = torch.cuda.max_memory_allocated(self.cuda) - self.cuda_start
+            self.backward_peak_bytes = max(peak, self.backward_peak_bytes or 0)
 
     # -- the cap --------------------------------------------------------------
     def _forward_reserve(self) -> int:
