@@ -504,21 +504,31 @@ def test_gradients_come_with_the_region_that_owns_and_alone_uses_them() -> None:
 
 def test_the_allocator_peak_is_read_as_the_backward_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE [the cap's count]: on CUDA the step's allocator peak teaches the reserve;
-    # it is read when backward ends, before an optimizer makes its state. CUDA's
-    # counter is stood in for: 1,000 B over the estimate then, a GB after.
+    # it is read when backward ends, before an optimizer makes its state. CUDA is
+    # stood in for (the model's device and its counters): 1,000 B over the estimate
+    # when backward ends, a GB after.
+    from forget.runtime import _steps
+
+    real_init = _steps.Step.__init__
+
+    def on_cuda(step: Any, *args: Any, **kwargs: Any) -> None:
+        real_init(step, *args, **kwargs)
+        step.cuda = torch.device("cuda")
+
+    monkeypatch.setattr(_steps.Step, "__init__", on_cuda)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     net = _net()
     handle = forget.cap(net, 10**12)
     out = net(_x(16))
     step = handle._step
-    assert step is not None and not step.backward_ended
-    step.cuda = torch.device("cuda")  # the reading goes to the stand-in
+    assert step is not None and step.backward_peak_bytes is None
     readings = iter([step.estimated_peak_bytes + 1000, 10**9])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(readings))
     seen = []
-    out.register_hook(lambda grad: seen.append(step.backward_ended))
+    out.register_hook(lambda grad: seen.append(step.backward_peak_bytes))
     out.square().mean().backward()
-    assert seen == [False] and step.backward_ended
+    assert seen == [None]  # not yet read while backward runs
     assert step.backward_peak_bytes == step.estimated_peak_bytes + 1000
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     net(_x(16))  # the next step learns from the reading at the backward's end
     assert handle._extra_bytes == 1000

@@ -280,7 +280,6 @@ class Step:
         self.cuda_start = torch.cuda.memory_allocated(self.cuda) if self.cuda is not None else 0
         # The allocator's peak when the backward ended (NOTE [the cap's count]); CUDA only.
         self.backward_peak_bytes: int | None = None
-        self.backward_ended = False
         # NOTE [the cap's count]: buffers as they were, put back if the cap cannot hold.
         self._buffers = [(b, b.detach().clone()) for b in buffers]
         for _, copy in self._buffers:
@@ -381,6 +380,8 @@ class Step:
         self.model_output_bytes = 0 if loss_inside else _tensor_bytes(out)
         self.settle("the end of the model's forward", last=True)
         self.closed = True
+        if self.cuda is None:  # on CPU nothing is read when backward ends
+            return
         grad = next((t for t in tensors_in(out) if t.requires_grad), None)
         if grad is not None:
             grad.register_hook(self._backward_started)
@@ -390,11 +391,9 @@ class Step:
         engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
-        """Backward has ended (NOTE [the cap's count]): on CUDA, read the step's peak."""
-        self.backward_ended = True
-        if self.cuda is not None:
-            peak = torch.cuda.max_memory_allocated(self.cuda) - self.cuda_start
-            self.backward_peak_bytes = max(peak, self.backward_peak_bytes or 0)
+        """Backward has ended (NOTE [the cap's count]): read the step's allocator peak."""
+        peak = torch.cuda.max_memory_allocated(self.cuda) - self.cuda_start
+        self.backward_peak_bytes = max(peak, self.backward_peak_bytes or 0)
 
     # -- the cap --------------------------------------------------------------
     def _forward_reserve(self) -> int:
