@@ -158,6 +158,26 @@ def test_double_backward_frees_the_regions():
     assert _regions_alive() == 0
 
 
+@pytest.mark.parametrize("backward", [True, False], ids=["backward", "dropped"])
+@pytest.mark.parametrize(
+    "policy", [None, forget.policies.save_outputs_of("aten.addmm")], ids=["all", "policy"]
+)
+@pytest.mark.usefixtures("everything_in_view")
+def test_a_region_that_writes_into_its_argument_is_freed(policy, backward):
+    # NOTE [arguments written in place]: the write's node, made in the region, saves
+    # through the region's pack; the region holding the argument made a cycle through C++.
+    head = nn.Sequential(nn.Dropout(0.2, inplace=True), nn.Linear(WIDTH, 4))
+    w = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    x = torch.randn(3, WIDTH) @ w
+    y = forget.Forget(head, policy=policy)(x)
+    assert _regions_alive() == 1
+    if backward:
+        y.sum().backward()
+    del x, y
+    gc.collect()
+    assert _regions_alive() == 0
+
+
 def _garbage_tensors() -> int:
     """Tensors only the garbage collector would free (held by reference cycles), collected."""
     gc.set_debug(gc.DEBUG_SAVEALL)

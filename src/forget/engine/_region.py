@@ -113,6 +113,7 @@ from ._state import (
     restore,
 )
 from ._storage import PLAIN_TYPES, StorageKey, storage_key
+from ._written import WrittenArgument, cut_written, held_tensors
 
 __all__ = ["Region"]
 
@@ -313,6 +314,7 @@ class Region:
             return self._run_fast(site, guard, flat, args, kwargs)
         tracker = StateTracker(decide=self.policy.decide if self.policy is not None else None)
         self._tracker = tracker
+        grad_fns = [getattr(self._flat[i], "grad_fn", None) for i in self._tensor_pos]
         _packers.stack.append(self._pack)
         _packers.trackers.append(tracker)
         self._in_forward = True
@@ -345,7 +347,8 @@ class Region:
         # Values before the forward's first write, so the re-run starts where it did.
         # NOTE [write-only state]; running statistics are written only, too.
         self._write_only = tracker.split_write_only() + tracker.statistics
-        self._pre_forward = tracker.snapshots
+        # NOTE [arguments written in place]
+        self._pre_forward = cut_written(self._flat, self._tensor_pos, grad_fns, tracker.snapshots)
         self._versions = [flat[i]._version for i in self._tensor_pos]
         if site is not None and site.fast is None:
             site.learn(
@@ -409,7 +412,11 @@ class Region:
             if i not in self._rebuilt and (slot := ref()) is not None and slot.rebuilt(keep_graph)
         }
         # Each input slot of an enclosing region is unpacked once per re-run.
-        flat = [_unpack(v) for v in self._flat]
+        name = region_name(self.func)
+        flat = [
+            v.get(keep_graph, name) if type(v) is WrittenArgument else _unpack(v)
+            for v in self._flat
+        ]
         self._check_versions(flat)
         args, kwargs = unflatten(flat, self._spec)
         count = 0
@@ -438,7 +445,7 @@ class Region:
         # a closure that held itself would be a reference cycle, and everything the
         # closure holds (the tracker's kept tensors) would wait for the collector.
         this: list[Callable[[torch.Tensor], torch.Tensor]] = []
-        meta, check, name = self._meta, self.check, region_name(self.func)
+        meta, check = self._meta, self.check
         writers, early_stop = self._writers, self.early_stop
 
         def collect(t: torch.Tensor) -> torch.Tensor:
@@ -571,6 +578,10 @@ class Region:
                 self._trace.explain(mismatch)
             raise mismatch
         self._versions = [flat[i]._version for i in self._tensor_pos]
+
+    def kept_arguments(self) -> list[torch.Tensor]:
+        """The argument tensors held for the re-run (an enclosing region's slots are not)."""
+        return held_tensors(self._flat)
 
     def _check_versions(self, flat: list[Any]) -> None:
         for k, i in enumerate(self._tensor_pos):

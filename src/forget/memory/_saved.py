@@ -39,7 +39,7 @@ def _labels(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[in
 
 
 def _forget_regions() -> list[Any]:
-    """The forget regions alive now: they hold the inputs they keep (``Region._flat``)."""
+    """The forget regions alive now: they hold the inputs they keep (``Region.kept_arguments``)."""
     from ..engine import Region
 
     # type(), not isinstance: some lazy torch objects warn when asked their __class__.
@@ -110,9 +110,8 @@ def saved(func: Callable[..., Any], /, *xs: Any, **kwargs: Any) -> SavedReport:
             out = func(*xs, **kwargs)
         for r in _forget_regions():
             if id(r) not in before:
-                for v in r._flat:
-                    if isinstance(v, torch.Tensor):
-                        note(v, "kept")
+                for v in r.kept_arguments():
+                    note(v, "kept")
         gc.collect()
         records = ledger.records()
         outputs = {id(s) for s in map(storage_of, pytree.tree_leaves(out)) if s is not None}
