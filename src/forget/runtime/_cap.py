@@ -17,8 +17,8 @@ restores each forward exactly.
 NOTE [steps known to fit]: a step whose shapes the cap has seen fit with no
 region evicted runs plain: no region, no hook, torch's own speed. Its shapes
 are the key (every tensor argument's shape, dtype and device, the other
-arguments' values, the model's training flag and which parameters require
-grad); the bytes a step holds follow from them, and a step of the same key
+arguments' values, every module's training flag and which parameters
+require grad); the bytes a step holds follow from them, and a step of the same key
 held, under the cap's count, what the plain step holds (its regions kept every
 saved tensor). A key is learned from a capped step that evicted nothing and
 whose estimated peak was within the cap, and is used while that peak is within
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -373,7 +374,9 @@ class Cap:
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
         """What a step's bytes follow from (NOTE [steps known to fit]); ``None``: unkeyable."""
-        parts: list[Any] = [self.model.training]
+        # NOTE [cached walks]: the modules and parameters, walked only when they change.
+        modules, parameters, _ = self._walks.walk([self.model])
+        parts: list[Any] = [tuple(map(_training, modules)), tuple(map(_requires_grad, parameters))]
         for leaf in pytree.tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
                 parts.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
@@ -381,7 +384,6 @@ class Cap:
                 parts.append(leaf)
             else:
                 return None  # an argument the key cannot compare: the step runs capped
-        parts.append(tuple(p.requires_grad for p in self.model.parameters()))
         return tuple(parts)
 
     def _run_plain(
@@ -421,6 +423,10 @@ class _PlainStep:
         """Whether the allocator's peak since the step began passed ``budget_bytes`` (CUDA)."""
         assert self.cuda is not None
         return torch.cuda.max_memory_allocated(self.cuda) - self.start > budget_bytes
+
+
+_training = operator.attrgetter("training")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
