@@ -14,25 +14,34 @@ sees what autograd saves outside the regions. Like a tree plan, the cap
 changes no class and adds no submodule (NOTE [instance forward]); `Cap.remove`
 restores each forward exactly.
 
-NOTE [steps known to fit]: a step whose shapes the cap has seen fit with no
-region evicted runs plain: no region, no hook, torch's own speed. Its shapes
-are the key (every tensor argument's shape, dtype and device, the other
-arguments' values, every module's training flag and which parameters
-require grad); the bytes a step holds follow from them, and a step of the same key
-held, under the cap's count, what the plain step holds (its regions kept every
-saved tensor). A key is learned from a capped step that evicted nothing and
-whose estimated peak was within the cap, and is used while that peak is within
-the cap in force (`Cap.set_budget` may lower it). On CUDA the allocator's peak
-of each plain step is read at the next step, and a key whose plain step passed
-the cap is forgotten. What this leaves out: a step whose memory depends on its
-values, not its shapes (a mixture of experts' routing), may hold more than the
-step of the same key before it; pass ``plain_when_fits=False`` for such a model.
-Figures (a cap never reached: 1.08 to 1.11 x plain before, about 1.00 after):
-benchmarks/measured.md, "steps known to fit".
+NOTE [steps of known shapes]: a step whose shapes the cap has seen hold
+within it repeats what the cap decided then, without counting: the regions
+evicted then run as forgotten regions from the start (`forget.engine.run_region`),
+every other candidate plain, with no hook; where nothing was evicted the step
+is plain, at torch's own speed. Its shapes are the key (every tensor argument's
+shape, dtype and device, the other arguments' values, every module's training
+flag and which parameters require grad): the bytes a step holds follow from
+them. A repeated step holds no more than the capped step it repeats: the same
+regions re-run in backward, and it never holds their activations, which the
+capped step held until it evicted them. A decision is learned from a capped
+step whose estimated peak was within the cap: at once where it evicted nothing,
+else from the second capped step of the key (the first, with no region's size
+learned, evicts more than it needs). It is used while its estimate is within
+the cap in force, and, where it evicted, while the cap is no higher than the
+one it was made under (a higher one may evict less: the step runs capped and
+decides again). On CUDA the allocator's peak of each repeated step is read at
+the next step: above the estimate, the excess joins the reserve; above the
+cap, the key is forgotten. What this leaves out: a step whose memory depends
+on its values, not its shapes (a mixture of experts' routing), may hold more
+than the step of the same key before it; pass ``repeat_known_shapes=False``
+for such a model. Figures (benchmarks/measured.md, "steps of known shapes"):
+a cap never reached cost 1.02 to 1.51 x plain before, within noise of 1.00
+after.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
@@ -62,7 +71,7 @@ def cap(
     *,
     candidates: str | type | Iterable[str | type] | None = None,
     eviction: str = "largest",
-    plain_when_fits: bool = True,
+    repeat_known_shapes: bool = True,
 ) -> Cap:
     """Keep every training step of ``model`` under ``budget`` bytes, in place, with no plan.
 
@@ -90,9 +99,10 @@ def cap(
             by name: ``"largest"`` (the default: the most bytes freed), ``"dtr"``
             (DTR's least cost / (bytes x staleness)), ``"first_run"`` or
             ``"cheapest_per_byte"`` (NOTE [eviction order]).
-        plain_when_fits: run a step plain, with no region, when a step of the
-            same shapes fit with nothing evicted (NOTE [steps known to fit]);
-            ``False`` for a model whose memory depends on its values.
+        repeat_known_shapes: a step of shapes the cap has seen hold repeats its
+            decision with no count: plain where nothing was evicted (NOTE [steps
+            of known shapes]); ``False`` for a model whose memory depends on
+            its values.
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.
@@ -145,7 +155,7 @@ def cap(
             "that may be regions with candidates= (a name pattern such as '*.layers.*', a "
             "module type, or a list of them)."
         )
-    return Cap(model, names, budget_bytes, eviction, plain_when_fits)
+    return Cap(model, names, budget_bytes, eviction, repeat_known_shapes)
 
 
 def _with_finer(model: nn.Module, names: list[str]) -> list[str]:
@@ -215,18 +225,19 @@ class Cap:
         names: list[str],
         budget_bytes: int,
         eviction: str = "largest",
-        plain_when_fits: bool = True,
+        repeat_known_shapes: bool = True,
     ) -> None:
         self.model = model
         self.names = tuple(names)
         self.eviction = eviction
-        self.plain_when_fits = plain_when_fits
+        self.repeat_known_shapes = repeat_known_shapes
         self._budget_bytes = budget_bytes
         self._step: Step | None = None
         self._history: list[StepReport] = []
-        # NOTE [steps known to fit]: the estimated peak of each key that fit.
-        self._fits: dict[tuple[Any, ...], int] = {}
-        self._plain: _PlainStep | None = None  # the step running (or last run) plain
+        # NOTE [steps of known shapes]: the decision for each key, and the keys run capped.
+        self._known: dict[tuple[Any, ...], _Decision] = {}
+        self._seen: set[tuple[Any, ...]] = set()
+        self._repeat: _Repeat | None = None  # the step repeating a decision (or the last)
         self._order: list[str] = []  # the regions of the latest capped step, in order
         self._learned: dict[str, tuple[int, int, bool]] = {}
         self._extra_bytes = 0
@@ -280,10 +291,13 @@ class Cap:
     # -- the wrapped forwards ---------------------------------------------------
     def _close_previous(self) -> None:
         """File the step before this one, and learn from it (NOTE [the cap's count])."""
-        plain, self._plain = self._plain, None
-        # NOTE [steps known to fit]: a plain step that passed the cap unlearns its key.
-        if plain is not None and plain.cuda is not None and plain.passed(self._budget_bytes):
-            self._fits.pop(plain.key, None)
+        repeat, self._repeat = self._repeat, None
+        if repeat is not None and repeat.cuda is not None:
+            # NOTE [steps of known shapes]: the allocator's peak of a repeated step.
+            reached = torch.cuda.max_memory_allocated(repeat.cuda) - repeat.start
+            self._extra_bytes += max(0, reached - repeat.decision.estimate)
+            if reached > self._budget_bytes:
+                self._known.pop(repeat.key, None)
         previous, self._step = self._step, None
         if previous is None:
             return
@@ -296,9 +310,11 @@ class Cap:
             if peak is None:
                 peak = torch.cuda.max_memory_allocated(previous.cuda) - previous.cuda_start
             self._extra_bytes += max(0, peak - previous.estimated_peak_bytes)
-        fit = not previous.evicted and previous.estimated_peak_bytes <= previous.budget_bytes
-        if previous.key is not None and fit:
-            self._fits[previous.key] = previous.estimated_peak_bytes
+        key = previous.key
+        if key is not None and previous.estimated_peak_bytes <= previous.budget_bytes:
+            if not previous.evicted or key in self._seen:  # NOTE [steps of known shapes]
+                self._known[key] = _Decision(self._history[-1])
+            self._seen.add(key)
 
     def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
         self._close_previous()
@@ -323,13 +339,13 @@ class Cap:
         step = self._step
         if not torch.is_grad_enabled() or in_recomputing() or (step and not step.closed):
             return original(*args, **kwargs)
-        if self._plain is not None and not self._plain.closed:
-            return original(*args, **kwargs)  # the model called inside its plain step
+        if self._repeat is not None and not self._repeat.closed:
+            return original(*args, **kwargs)  # the model called inside its repeated step
         self._close_previous()  # what it teaches counts for this step
-        key = self._key(args, kwargs) if self.plain_when_fits else None
-        known = self._fits.get(key) if key is not None else None
-        if key is not None and known is not None and known <= self._budget_bytes:
-            return self._run_plain(original, args, kwargs, key, known)
+        key = self._key(args, kwargs) if self.repeat_known_shapes else None
+        known = self._known.get(key) if key is not None else None
+        if key is not None and known is not None and known.holds(self._budget_bytes):
+            return self._run_repeated(original, args, kwargs, key, known)
         step = self._begin(args, kwargs)
         step.rooted = True
         step.key = key
@@ -353,8 +369,13 @@ class Cap:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        if not torch.is_grad_enabled() or (self._plain is not None and not self._plain.closed):
-            return original(*args, **kwargs)  # NOTE [steps known to fit]
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        repeat = self._repeat
+        if repeat is not None and not repeat.closed:  # NOTE [steps of known shapes]
+            if name in repeat.decision.evicted:
+                return run_region(original, args, kwargs)
+            return original(*args, **kwargs)
         if in_recomputing() or torch.compiler.is_compiling():
             # NOTE [eviction order]: a re-run's regions keep nothing.
             return run_region(original, args, kwargs)
@@ -373,7 +394,7 @@ class Cap:
         return out
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-        """What a step's bytes follow from (NOTE [steps known to fit]); ``None``: unkeyable."""
+        """What a step's bytes follow from (NOTE [steps of known shapes]); ``None``: no key."""
         # NOTE [cached walks]: the modules and parameters, walked only when they change.
         modules, parameters, _ = self._walks.walk([self.model])
         parts: list[Any] = [tuple(map(_training, modules)), tuple(map(_requires_grad, parameters))]
@@ -386,43 +407,52 @@ class Cap:
                 return None  # an argument the key cannot compare: the step runs capped
         return tuple(parts)
 
-    def _run_plain(
+    def _run_repeated(
         self,
         original: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         key: tuple[Any, ...],
-        known: int,
+        decision: _Decision,
     ) -> Any:
-        """The step plain, as a step of its shapes fit (NOTE [steps known to fit])."""
-        plain = _PlainStep(key, _device_of(self.model))
-        self._plain = plain
-        report = StepReport((), (), known, self._budget_bytes, plain=True)
-        self._history = [*self._history, report][-_HISTORY:]
+        """The step as the decision for its shapes has it (NOTE [steps of known shapes])."""
+        repeat = _Repeat(key, decision, _device_of(self.model))
+        self._repeat = repeat
+        report = dataclasses.replace(decision.report, budget_bytes=self._budget_bytes)
+        self._history = [*self._history, dataclasses.replace(report, repeated=True)][-_HISTORY:]
         try:
             return original(*args, **kwargs)
         finally:
-            plain.closed = True
+            repeat.closed = True
 
 
-class _PlainStep:
-    """A step run plain (NOTE [steps known to fit]): its key and, on CUDA, where it began."""
+class _Decision:
+    """What a capped step of some shapes did (NOTE [steps of known shapes])."""
 
-    __slots__ = ("closed", "cuda", "key", "start")
+    __slots__ = ("estimate", "evicted", "report", "under")
 
-    def __init__(self, key: tuple[Any, ...], device: torch.device) -> None:
-        self.key = key
+    def __init__(self, report: StepReport) -> None:
+        self.report, self.evicted = report, frozenset(report.evicted)
+        self.estimate, self.under = report.estimated_peak_bytes, report.budget_bytes
+
+    def holds(self, budget_bytes: int) -> bool:
+        """Whether it holds under ``budget_bytes``, and no higher cap would evict less."""
+        return self.estimate <= budget_bytes and (not self.evicted or budget_bytes <= self.under)
+
+
+class _Repeat:
+    """A step repeating a decision: its key and, on CUDA, where it began."""
+
+    __slots__ = ("closed", "cuda", "decision", "key", "start")
+
+    def __init__(self, key: tuple[Any, ...], decision: _Decision, device: torch.device) -> None:
+        self.key, self.decision = key, decision
         self.closed = False
         self.cuda = device if device.type == "cuda" else None
         self.start = 0
         if self.cuda is not None:
             self.start = torch.cuda.memory_allocated(self.cuda)
             torch.cuda.reset_peak_memory_stats(self.cuda)
-
-    def passed(self, budget_bytes: int) -> bool:
-        """Whether the allocator's peak since the step began passed ``budget_bytes`` (CUDA)."""
-        assert self.cuda is not None
-        return torch.cuda.max_memory_allocated(self.cuda) - self.start > budget_bytes
 
 
 _training = operator.attrgetter("training")

@@ -154,7 +154,7 @@ class StepReport:
         evicted_forward_s: the forward time of the evicted regions as the step
             measured it (a region's includes the regions inside it): about what
             their re-runs in backward cost.
-        plain: run with no region, as one of its shapes fit (NOTE [steps known to fit]).
+        repeated: the decision of a step of its shapes repeated (NOTE [steps of known shapes]).
     """
 
     regions: tuple[str, ...]
@@ -162,7 +162,7 @@ class StepReport:
     estimated_peak_bytes: int
     budget_bytes: int
     evicted_forward_s: float = 0.0
-    plain: bool = False
+    repeated: bool = False
 
 
 class _Entry:
@@ -249,7 +249,7 @@ class Step:
         self.estimated_peak_bytes = 0
         self.closed = False
         self.rooted = False  # begun by the model's forward
-        self.key: tuple[Any, ...] | None = None  # NOTE [steps known to fit]
+        self.key: tuple[Any, ...] | None = None  # NOTE [steps of known shapes]
         self.boundaries = 0
         # storage key -> [bytes, holders]; the count of ``now`` on CPU.
         self._live: dict[StorageKey, list[int]] = {}
