@@ -15,6 +15,8 @@ per shape, the peak with every default candidate region that has none inside it
 forgotten (`forget.apply_forget`): about the least any choice of those regions
 reaches, to tell a cap that cannot hold from a runtime that evicts badly.
 ``--largest-first`` runs the largest shape first, with nothing learned.
+``--passes 3`` runs the shapes three times over: from the second step of a
+shape on, the cap repeats its decision (NOTE [steps of known shapes]).
 ``--split`` times instead, by CPU time, the forward and the backward of the
 plain step and of the step under a cap never reached, at the largest shape.
 ``--calls`` counts instead the Python calls (cProfile's, C functions included)
@@ -32,7 +34,7 @@ evicted regions' forward time as the cap's own records have it
 (`StepReport.evicted_forward_s`, a wall-clock figure).
 
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
-        [--times] [--rounds 5] [--floor] [--largest-first] [--evictions dtr,largest]
+        [--times] [--rounds 5] [--floor] [--largest-first] [--passes 3] [--evictions dtr,largest]
         [--split] [--calls] [--candidates NAMES]
 """
 
@@ -128,7 +130,7 @@ def peak(model: nn.Module, inputs: dict[str, Any]) -> int:
     return forget.measure(step_of(model, inputs), probe="profiler").peak_bytes
 
 
-def run_peaks(name: str, largest_first: bool = False) -> None:
+def run_peaks(name: str, largest_first: bool = False, passes: int = 1) -> None:
     make, shapes = models()[name]
     largest = max(shapes)
     if largest_first:  # the hardest first step: nothing learned, the largest shape
@@ -141,7 +143,7 @@ def run_peaks(name: str, largest_first: bool = False) -> None:
         capped = copy.deepcopy(model)
         handle = forget.cap(capped, budget)
         row = []
-        for shape in shapes:
+        for shape in shapes * passes:
             _, inputs = make(shape)
             try:
                 got = peak(capped, inputs)
@@ -149,9 +151,10 @@ def run_peaks(name: str, largest_first: bool = False) -> None:
                 row.append(f"{shape}: error ({str(error)[:90]}...)")
                 continue
             report = handle.steps[-1]
+            mark = " repeated" if report.repeated else ""
             row.append(
                 f"{shape}: {got / budget:.3f} ({len(report.evicted)}/{len(report.regions)} "
-                f"evicted, est {report.estimated_peak_bytes / budget:.3f})"
+                f"evicted{mark}, est {report.estimated_peak_bytes / budget:.3f})"
             )
         handle.remove()
         print(f"  cap {share:.0%} = {budget:,} B: " + "; ".join(row))
@@ -228,6 +231,9 @@ def run_evictions(name: str, evictions: list[str]) -> None:
 def run_times(name: str, rounds: int) -> None:
     make, shapes = models()[name]
     model, inputs = make(max(shapes))
+    if not getattr(model, "supports_gradient_checkpointing", True):
+        print(f"## {name} times: skipped (no layer checkpointing to compare with)")
+        return
     plain_peak = peak(model, inputs)
     budget = plain_peak // 2
     never = copy.deepcopy(model)
@@ -355,6 +361,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--floor", action="store_true")
     parser.add_argument("--largest-first", action="store_true")
+    parser.add_argument("--passes", type=int, default=1, help="run the shapes this many times")
     parser.add_argument("--evictions", default=None, help="compare these eviction orders")
     parser.add_argument("--split", action="store_true", help="forward and backward CPU time")
     parser.add_argument("--calls", action="store_true", help="forward and backward Python calls")
@@ -372,7 +379,7 @@ def main() -> None:
         if args.evictions:
             run_evictions(name, args.evictions.split(","))
             continue
-        run_peaks(name, args.largest_first)
+        run_peaks(name, args.largest_first, args.passes)
         if args.floor:
             run_floor(name)
         if args.times:
