@@ -123,6 +123,19 @@ def test_a_cap_changed_decides_again():
     assert handle.last_step is not None and not handle.last_step.repeated
 
 
+def test_a_step_that_could_not_hold_is_never_repeated():
+    net = _net()
+    handle = forget.cap(net, 1000)
+    for _ in range(3):  # raised each time: no decision learned from a step that raised
+        with pytest.raises(forget.ForgetError, match="cannot hold this step"):
+            _step(net, 8)
+    assert handle._known == {}
+    handle.set_budget(10**9)
+    _step(net, 8)
+    _step(net, 8)
+    assert handle.last_step is not None and handle.last_step.repeated
+
+
 def test_what_the_key_holds_a_step_to():
     net = _net()
     handle = forget.cap(net, 10**9)

@@ -311,7 +311,9 @@ class Cap:
                 peak = torch.cuda.max_memory_allocated(previous.cuda) - previous.cuda_start
             self._extra_bytes += max(0, peak - previous.estimated_peak_bytes)
         key = previous.key
-        if key is not None and previous.estimated_peak_bytes <= previous.budget_bytes:
+        # A step that raised (a cap that cannot hold) decided nothing.
+        held = previous.finished and previous.estimated_peak_bytes <= previous.budget_bytes
+        if key is not None and held:
             if not previous.evicted or key in self._seen:  # NOTE [steps of known shapes]
                 self._known[key] = _Decision(self._history[-1])
             self._seen.add(key)
@@ -358,6 +360,7 @@ class Cap:
             with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
                 out = original(*args, **kwargs)
             step.model_returned(out)
+            step.finished = True
         finally:
             step.closed = True
         return out

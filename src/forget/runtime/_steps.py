@@ -250,6 +250,7 @@ class Step:
         self.closed = False
         self.rooted = False  # begun by the model's forward
         self.key: tuple[Any, ...] | None = None  # NOTE [steps of known shapes]
+        self.finished = False  # the model's forward returned, the cap held throughout
         self.boundaries = 0
         # storage key -> [bytes, holders]; the count of ``now`` on CPU.
         self._live: dict[StorageKey, list[int]] = {}
