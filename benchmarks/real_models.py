@@ -6,7 +6,7 @@ and ``pip install timm diffusers`` (models built from their code with random
 weights; nothing is downloaded)::
 
     PYTHONPATH=src /path/to/venv214/bin/python benchmarks/real_models.py
-        [--models resnet18,...] [--share 0.5] [--plan]
+        [--models resnet18,...] [--share 0.5] [--plan] [--passes 3]
 
 Per model, a plain copy and a capped copy run the same steps of varying batch
 sizes (the same seed before each, so dropout and stochastic depth draw alike):
@@ -17,6 +17,8 @@ the gradients are bitwise equal to plain; after the run, whether the buffers
 step's peak at the largest batch. ``--plan`` adds a `forget.plan` at that
 budget on the largest batch: its peak over the budget and the gradients
 against plain. A model whose cap cannot hold says what the cap's error said.
+``--passes 3`` runs the batch sizes three times over: from a size's second
+step on the cap repeats its decision (NOTE [steps of known shapes]), marked.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def _peak(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> in
     return forget.measure(lambda: _step(model, batch), probe="profiler").peak_bytes
 
 
-def run(name: str, share: float, with_plan: bool) -> None:
+def run(name: str, share: float, with_plan: bool, passes: int = 1) -> None:
     make, batch_of, sizes = MODELS[name]
     torch.manual_seed(0)
     plain = make().train()
@@ -148,7 +150,7 @@ def run(name: str, share: float, with_plan: bool) -> None:
     rows = []
     held = True
     try:
-        for n in sizes:
+        for n in sizes * passes:
             batch = batch_of(n)
             plain.zero_grad(set_to_none=True)
             _step(plain, batch)
@@ -163,6 +165,7 @@ def run(name: str, share: float, with_plan: bool) -> None:
             equal = _same(_grads(plain), _grads(capped))
             rows.append(
                 f"{n}: {peak / cap_bytes:.3f} ({len(report.evicted)}/{len(report.regions)}"
+                f"{', repeated' if report.repeated else ''}"
                 f"{', grads EQUAL' if equal else ', grads DIFFER'})"
             )
     finally:
@@ -198,10 +201,11 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--share", type=float, default=0.5)
     parser.add_argument("--plan", action="store_true")
+    parser.add_argument("--passes", type=int, default=1, help="run the batch sizes this many times")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
-        run(name, args.share, args.plan)
+        run(name, args.share, args.plan, args.passes)
 
 
 if __name__ == "__main__":
