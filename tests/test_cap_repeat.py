@@ -169,10 +169,11 @@ def test_a_plain_step_holds_no_more_than_the_capped_step_it_learned_from():
         assert got <= capped
 
 
-def test_a_repeated_step_that_passed_the_cap_on_cuda_is_decided_again(monkeypatch):
+@pytest.mark.parametrize("above", ["estimate", "cap"])
+def test_a_repeated_step_above_its_estimate_on_cuda_is_decided_again(monkeypatch, above):
     # Stands in for a CUDA step: the allocator's peak since the repeated step began is
-    # read at the next step; its excess joins the reserve, and above the cap the
-    # decision for its shapes is forgotten.
+    # read at the next step; above the decision's estimate (or the cap) the decision is
+    # forgotten and the shapes run capped, whose own peak teaches the reserve.
     net = _net()
     handle = forget.cap(net, 10**9)
     _step(net, 8)
@@ -182,7 +183,11 @@ def test_a_repeated_step_that_passed_the_cap_on_cuda_is_decided_again(monkeypatc
     handle._repeat = SimpleNamespace(
         cuda="cuda", key=repeat.key, decision=repeat.decision, start=0, closed=True
     )
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 10**9 + 1)
+    reached = repeat.decision.estimate + 1 if above == "estimate" else 10**9 + 1
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: reached)
     handle._close_previous()
     assert repeat.key not in handle._known
-    assert handle._extra_bytes == 10**9 + 1 - repeat.decision.estimate
+    assert handle._extra_bytes == 0  # the capped step's allocator peak teaches it
+    monkeypatch.undo()
+    _step(net, 8)
+    assert handle.last_step is not None and not handle.last_step.repeated

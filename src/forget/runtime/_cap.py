@@ -30,13 +30,16 @@ learned, evicts more than it needs). It is used while its estimate is within
 the cap in force, and, where it evicted, while the cap is no higher than the
 one it was made under (a higher one may evict less: the step runs capped and
 decides again). On CUDA the allocator's peak of each repeated step is read at
-the next step: above the estimate, the excess joins the reserve; above the
-cap, the key is forgotten. What this leaves out: a step whose memory depends
-on its values, not its shapes (a mixture of experts' routing), may hold more
-than the step of the same key before it; pass ``repeat_known_shapes=False``
-for such a model. Figures (benchmarks/measured.md, "steps of known shapes"):
-a cap never reached cost 1.02 to 1.51 x plain before, within noise of 1.00
-after.
+the next step: above the decision's estimate, the decision is forgotten, and
+the next step of those shapes runs capped, its allocator peak teaching the
+reserve as every capped step's does (NOTE [the cap's count]). What this
+leaves out: a step whose memory depends on its values, not its shapes (a
+mixture of experts' routing), may hold more than the step of the same key
+before it; pass ``repeat_known_shapes=False`` for such a model. Figures
+(benchmarks/measured.md, "A cap never reached" and "The cap at 50 % against
+the plan"): a cap never reached cost 1.02 to 1.51 x plain before, within
+noise of 1.00 after; a cap that evicts costs what forgetting the same
+regions costs.
 """
 
 from __future__ import annotations
@@ -294,9 +297,10 @@ class Cap:
         repeat, self._repeat = self._repeat, None
         if repeat is not None and repeat.cuda is not None:
             # NOTE [steps of known shapes]: the allocator's peak of a repeated step.
+            # Above its estimate, the shapes run capped again, whose own peak then
+            # teaches the reserve (a fixed estimate would add the excess every step).
             reached = torch.cuda.max_memory_allocated(repeat.cuda) - repeat.start
-            self._extra_bytes += max(0, reached - repeat.decision.estimate)
-            if reached > self._budget_bytes:
+            if reached > repeat.decision.estimate:
                 self._known.pop(repeat.key, None)
         previous, self._step = self._step, None
         if previous is None:
