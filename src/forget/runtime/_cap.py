@@ -34,8 +34,9 @@ the next step: above the decision's estimate, the decision is forgotten, and
 the next step of those shapes runs capped, its allocator peak teaching the
 reserve as every capped step's does (NOTE [the cap's count]). What this
 leaves out: a step whose memory depends on its values, not its shapes (a
-mixture of experts' routing), may hold more than the step of the same key
-before it; pass ``repeat_known_shapes=False`` for such a model. Figures
+mixture of experts' routing, attention that drops padding tokens), may hold
+more than the step of the same key before it; pass
+``repeat_known_shapes=False`` for such a model. Figures
 (benchmarks/measured.md, "A cap never reached" and "The cap at 50 % against
 the plan"): a cap never reached cost 1.02 to 1.51 x plain before, within
 noise of 1.00 after; a cap that evicts costs what forgetting the same
