@@ -18,7 +18,10 @@ share of the cap, for the cap's steps the regions evicted of those run
 (`forget.runtime.StepReport`), and the step time, a median over interleaved
 rounds (`forget.planning.time_calls`) with the median of each round's ratio
 to the plain step at the same shape. In the rounds the capped model sees the
-shapes in a shuffled order, as a run of varying shapes would. A capped step's
+shapes in a shuffled order, as a run of varying shapes would; each shape comes
+back, so from its third step the cap repeats its decision with no count (NOTE
+[steps of known shapes]) and the times are mostly those of such steps, while
+the peak and evicted columns are of the first, capped step. A capped step's
 loss and gradients must equal the plain step's bit for bit (CPU), and a step
 the cap cannot hold is a row that says so (`forget.ForgetError`), not a crash.
 """
