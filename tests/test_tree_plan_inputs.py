@@ -17,6 +17,7 @@ from torch import nn
 
 import forget
 from _tree_models import (
+    MODELS,
     Net,
     _assert_untouched,
     _Gated,
@@ -270,3 +271,45 @@ def test_a_module_that_writes_into_its_input_is_planned_and_exact():
         net(x).square().mean().backward()
     for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize("name", ["resnet", "llama"])
+def test_captures_together_plan_as_one_capture_per_module(name, monkeypatch):
+    # NOTE [captures together]: the same figures and the same plan, from fewer forwards.
+    from forget.planning._tree import alone
+
+    captures = []
+    original = alone._capture
+
+    def counted(step, names, layouts):
+        captures.append(list(names))
+        return original(step, names, layouts)
+
+    monkeypatch.setattr(alone, "_capture", counted)
+    plans = []
+    for batches in (alone._batches, lambda reps, layouts: [[rep] for rep in reps]):
+        monkeypatch.setattr(alone, "_batches", batches)
+        captures.clear()
+        model, inputs = MODELS[name]()
+        planner = TreePlanner(model, (), inputs, repeats=1)
+        plans.append((planner.plan("75%"), len(captures), sum(map(len, captures))))
+    (together, forwards, reps), (alone_plan, one_each, reps_again) = plans
+    assert reps == reps_again == one_each
+    assert forwards < one_each if name == "resnet" else forwards <= one_each
+    assert together.choices == alone_plan.choices
+    assert together.measured_peak_bytes == alone_plan.measured_peak_bytes
+    assert together.predicted_peak_bytes == alone_plan.predicted_peak_bytes
+
+
+def test_batches_hold_no_more_than_the_largest_modules_inputs():
+    from forget.planning._tree import alone
+
+    f32 = torch.float32
+    layouts = {
+        "a": (((4, 8), f32, True),),
+        "b": (((2, 8), f32, True),),
+        "c": (((2, 8), f32, False),),
+        "d": (((1, 8), f32, True), ((1, 8), f32, False)),
+        "e": (((4, 8), f32, True),),
+    }
+    assert alone._batches(list(layouts), layouts) == [["a"], ["b", "c"], ["d"], ["e"]]

@@ -3,17 +3,19 @@
 `forget.planning._tree.profile` takes a step's bytes from a run on fake tensors
 (NOTE [tree figures]); what needs real tensors is taken here, one kind of
 module at a time (`alone_figures`): its inputs, captured by a forward without
-grad stopped at it (`_capture`), its forward's time, the workspace its step
-takes beyond its storages, and its leaf options' bytes and times (`_Alone`).
-One module's inputs and work are live at once (NOTE [planning within the
-budget] in `.planner`).
+grad stopped at it (`_capture`; several modules' by one forward, NOTE
+[captures together]), its forward's time, the workspace its step takes beyond
+its storages, and its leaf options' bytes and times (`_Alone`). One module's
+work is live at once, beside at most one largest module's inputs more
+(NOTE [planning within the budget] in `.planner`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,53 +39,95 @@ class _Got(Exception):
     """Stops the forward once the module wanted has its inputs (`_capture`)."""
 
 
-def _capture(step: TreeStep, name: str, layout: Layout) -> tuple[Any, Any, int]:
-    """The real inputs candidate ``name`` takes in the step, from a forward without grad.
+def _capture(
+    step: TreeStep, names: Sequence[str], layouts: Mapping[str, Layout]
+) -> dict[str, tuple[Any, Any, int]]:
+    """The real inputs each candidate of ``names`` takes in the step, from one forward
+    without grad.
 
-    Without grad the forward keeps no activation, and it stops as soon as
-    ``name`` is called: its peak is a module's work, not the step's. Inputs the
-    forward made are copied (a later in-place op of the forward may write into
-    them; the step's own inputs and parameters are taken as they are) and
-    require grad where the step's did, by the ``layout`` the fake run saw.
-    Returns the args, the kwargs and the bytes of the copies.
+    Without grad the forward keeps no activation, and it stops as soon as the
+    last of ``names`` is called: its peak is the modules' inputs and one
+    module's work, not the step's. Inputs the forward made are copied (a later
+    in-place op of the forward may write into them; the step's own inputs and
+    parameters are taken as they are) and require grad where the step's did,
+    by the ``layouts`` the fake run saw. Returns, per name, the args, the
+    kwargs and the bytes of the copies.
     """
     model = step.model
     alive = [*pytree.tree_leaves((step.args, step.kwargs)), *model.parameters(), *model.buffers()]
     made_before = {s.data_ptr() for t in alive if (s := storage_of(t)) is not None}
-    got: list[Any] = []
-    copies = [0]
+    got: dict[str, tuple[Any, Any, int]] = {}
 
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        fake = list(layout)
-        copied = []
-        for leaf in leaves:
-            if isinstance(leaf, Tensor):
-                # requires grad as the fake input of its shape and dtype did
-                key = (tuple(leaf.shape), leaf.dtype)
-                match = next((f for f in fake if f[:2] == key), None)
-                if match is not None:
-                    fake.remove(match)
-                kept = storage_of(leaf)
-                leaf = leaf.detach()
-                if kept is None or kept.data_ptr() not in made_before:
-                    leaf = leaf.clone()
-                    copies[0] += leaf.untyped_storage().nbytes()
-                leaf.requires_grad_(bool(match and match[2]))
-            copied.append(leaf)
-        got.append(pytree.tree_unflatten(copied, spec))
-        raise _Got
+    def hook_of(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name in got:
+                return
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            fake = list(layouts[name])
+            copied, copies = [], 0
+            for leaf in leaves:
+                if isinstance(leaf, Tensor):
+                    # requires grad as the fake input of its shape and dtype did
+                    key = (tuple(leaf.shape), leaf.dtype)
+                    match = next((f for f in fake if f[:2] == key), None)
+                    if match is not None:
+                        fake.remove(match)
+                    kept = storage_of(leaf)
+                    leaf = leaf.detach()
+                    if kept is None or kept.data_ptr() not in made_before:
+                        leaf = leaf.clone()
+                        copies += leaf.untyped_storage().nbytes()
+                    leaf.requires_grad_(bool(match and match[2]))
+                copied.append(leaf)
+            got_args, got_kwargs = pytree.tree_unflatten(copied, spec)
+            got[name] = (got_args, got_kwargs, copies)
+            if len(got) == len(names):
+                raise _Got
 
-    handle = model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
+        return hook
+
+    handles = [
+        model.get_submodule(name).register_forward_pre_hook(hook_of(name), with_kwargs=True)
+        for name in names
+    ]
     try:
         with torch.no_grad():
             model(*step.args, **step.kwargs)
     except _Got:
         pass
     finally:
-        handle.remove()
-    args, kwargs = got[0]
-    return args, kwargs, copies[0]
+        for handle in handles:
+            handle.remove()
+    return got
+
+
+def _layout_bytes(layout: Layout) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in layout)
+
+
+def _batches(reps: Sequence[str], layouts: Mapping[str, Layout]) -> list[list[str]]:
+    """``reps`` in runs whose inputs together are no larger than the largest one's.
+
+    NOTE [captures together]: each capture is a forward without grad up to its
+    module, a fifth of a ResNet's planning with its 36 kinds of module
+    (benchmarks/measured.md). Modules whose inputs together take no more than
+    the largest module's inputs are captured by one forward, and measured one
+    at a time, the inputs not yet measured held meanwhile and counted off what
+    each measurement may hold (``alone_limit``): planning holds at most one
+    largest module's inputs more than capturing each alone did.
+    """
+    sizes = {rep: _layout_bytes(layouts[rep]) for rep in reps}
+    most = max(sizes.values(), default=0)
+    out: list[list[str]] = []
+    total = 0
+    for rep in reps:
+        if out and total + sizes[rep] <= most:
+            out[-1].append(rep)
+            total += sizes[rep]
+        else:
+            out.append([rep])
+            total = sizes[rep]
+    return out
 
 
 def alone_figures(
@@ -100,9 +144,11 @@ def alone_figures(
 ) -> tuple[dict[str, float], int, dict[str, dict[str, tuple[int, float]]]]:
     """Times, workspace and options' figures, one representative at a time (NOTE [alike stages]).
 
-    Each representative's inputs are captured (`_capture`), its figures taken,
-    and its inputs dropped before the next: one module's inputs and work are
-    live at a time (NOTE [planning within the budget]). The runs that measure
+    Each representative's inputs are captured (`_capture`, with others' where
+    they are small, NOTE [captures together]), its figures taken, and its
+    inputs dropped before the next: one module's work is live at a time, beside
+    the inputs captured and not yet measured, which count against it (NOTE
+    [planning within the budget]). The runs that measure
     bytes run under the guard, less what the inputs hold; the timed ones do
     not (a guard's ledger would slow them), and hold no more than those.
 
@@ -123,39 +169,42 @@ def alone_figures(
     times: dict[str, float] = {}
     figures: dict[str, dict[str, tuple[int, float]]] = {}
     gap = 0
-    for rep in dict.fromkeys(rep_of.values()):
+    for batch in _batches(list(dict.fromkeys(rep_of.values())), layouts):
         with guard(limit, probe):
-            args, kwargs, held = _capture(step, rep, layouts[rep])
-        left = None if alone_limit is None else alone_limit - held
-        module = model.get_submodule(rep)
-        # Bytes first, under the guard: a module whose step alone passes the budget
-        # (NOTE [heavy modules]) is timed without grad and offered no option.
-        heavy = False
-        offered: dict[str, int] = {}
-        alone = _Alone(module, args, kwargs)
-        if rep in inner:
-            try:
-                with guard(left, probe):
-                    gap = max(gap, alone.workspace_bytes(probe))
-                    offered = alone.option_bytes(policies)
-            except Overrun:
-                heavy, offered = True, {}
-            alone.clear()
-        # A candidate with candidates inside runs with those forgotten, so that its
-        # forward holds their inputs, not its whole subtree's activations; their
-        # regions' fixed costs are taken off its time.
-        inside = [n for n in names if parent[n] == rep]
-        forward = functools.partial(alone.call, module)
-        with applied(model, dict.fromkeys(inside, "forget"), {}):
-            if heavy:
-                with torch.no_grad():
-                    times[rep] = _median_s(forward, repeats)
-            else:
-                times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
-        if rep in inner:
-            figures[rep] = alone.option_times(offered, policies, repeats)
-            alone.clear()
-        del args, kwargs, forward, alone
+            captured = _capture(step, batch, layouts)
+        for rep in batch:
+            args, kwargs, held = captured.pop(rep)
+            held += sum(h for _, _, h in captured.values())  # NOTE [captures together]
+            left = None if alone_limit is None else alone_limit - held
+            module = model.get_submodule(rep)
+            # Bytes first, under the guard: a module whose step alone passes the budget
+            # (NOTE [heavy modules]) is timed without grad and offered no option.
+            heavy = False
+            offered: dict[str, int] = {}
+            alone = _Alone(module, args, kwargs)
+            if rep in inner:
+                try:
+                    with guard(left, probe):
+                        gap = max(gap, alone.workspace_bytes(probe))
+                        offered = alone.option_bytes(policies)
+                except Overrun:
+                    heavy, offered = True, {}
+                alone.clear()
+            # A candidate with candidates inside runs with those forgotten, so that its
+            # forward holds their inputs, not its whole subtree's activations; their
+            # regions' fixed costs are taken off its time.
+            inside = [n for n in names if parent[n] == rep]
+            forward = functools.partial(alone.call, module)
+            with applied(model, dict.fromkeys(inside, "forget"), {}):
+                if heavy:
+                    with torch.no_grad():
+                        times[rep] = _median_s(forward, repeats)
+                else:
+                    times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
+            if rep in inner:
+                figures[rep] = alone.option_times(offered, policies, repeats)
+                alone.clear()
+            del args, kwargs, forward, alone
     return {name: times[rep_of[name]] + fixed for name in names}, gap, figures
 
 

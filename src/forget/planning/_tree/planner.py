@@ -54,9 +54,11 @@ plain step does not fit, so planning never runs the plain step and never holds
 more than the budget. The bytes come from a run on fake tensors (NOTE [tree
 figures]): nothing allocated. Times, workspaces and options' figures come from
 each kind of module alone, one at a time, on real inputs captured by a forward
-without grad that stops at that module: one module's inputs and work are live
-at once. A percentage budget is of the predicted plain peak. Every step run on
-real tensors that is not timed runs under the guard (NOTE [guarded steps] in
+without grad that stops at that module (or at the last of a few whose inputs
+together are no larger than the largest module's, NOTE [captures together]):
+one module's work is live at once, beside at most those inputs. A percentage
+budget is of the predicted plain peak. Every step run on real tensors that is
+not timed runs under the guard (NOTE [guarded steps] in
 `._guard`), with the budget as its limit (`forget.plan` hands its budget to
 the profile too): a step the cost model predicted to fit that does not is
 stopped, a measured miss, and the search goes on below it. The timed steps
