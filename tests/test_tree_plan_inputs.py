@@ -313,3 +313,26 @@ def test_batches_hold_no_more_than_the_largest_modules_inputs():
         "e": (((4, 8), f32, True),),
     }
     assert alone._batches(list(layouts), layouts) == [["a"], ["b", "c"], ["d"], ["e"]]
+
+
+def test_a_batch_of_captures_that_passes_the_budget_is_captured_one_at_a_time(monkeypatch):
+    from forget.planning._guard import Overrun
+    from forget.planning._tree import alone
+
+    original = alone._capture
+    sizes = []
+
+    def tight(step, names, layouts):
+        sizes.append(len(names))
+        if len(names) > 1:
+            raise Overrun(1, 2)  # as a guard stopping the batch's forward
+        return original(step, names, layouts)
+
+    model, inputs = MODELS["resnet"]()
+    expected = TreePlanner(model, (), inputs, repeats=1).plan("75%")
+    monkeypatch.setattr(alone, "_capture", tight)
+    model, inputs = MODELS["resnet"]()
+    got = TreePlanner(model, (), inputs, repeats=1).plan("75%")
+    assert max(sizes) > 1 and sizes.count(1) > 0  # a batch stopped, then one at a time
+    assert got.choices == expected.choices
+    assert got.measured_peak_bytes == expected.measured_peak_bytes

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -130,6 +130,39 @@ def _batches(reps: Sequence[str], layouts: Mapping[str, Layout]) -> list[list[st
     return out
 
 
+def _captured(
+    step: TreeStep,
+    reps: list[str],
+    layouts: Mapping[str, Layout],
+    limit: int | None,
+    probe: str,
+) -> Iterator[tuple[str, Any, Any, int]]:
+    """Each of ``reps`` with its captured args and kwargs, and the bytes held with them.
+
+    NOTE [captures together]: by `_batches`, each batch by one forward under the
+    guard; the bytes held are the copies of that module and of the batch's
+    modules not yet yielded. A batch whose forward passes the limit is captured
+    one module at a time instead.
+    """
+    for batch in _batches(reps, layouts):
+        try:
+            with guard(limit, probe):
+                captured = _capture(step, batch, layouts)
+        except Overrun:
+            if len(batch) == 1:
+                raise
+            for rep in batch:
+                with guard(limit, probe):
+                    args, kwargs, held = _capture(step, [rep], layouts)[rep]
+                yield rep, args, kwargs, held
+                del args, kwargs
+            continue
+        for rep in batch:
+            args, kwargs, held = captured.pop(rep)
+            yield rep, args, kwargs, held + sum(h for _, _, h in captured.values())
+            del args, kwargs
+
+
 def alone_figures(
     step: TreeStep,
     names: list[str],
@@ -169,42 +202,38 @@ def alone_figures(
     times: dict[str, float] = {}
     figures: dict[str, dict[str, tuple[int, float]]] = {}
     gap = 0
-    for batch in _batches(list(dict.fromkeys(rep_of.values())), layouts):
-        with guard(limit, probe):
-            captured = _capture(step, batch, layouts)
-        for rep in batch:
-            args, kwargs, held = captured.pop(rep)
-            held += sum(h for _, _, h in captured.values())  # NOTE [captures together]
-            left = None if alone_limit is None else alone_limit - held
-            module = model.get_submodule(rep)
-            # Bytes first, under the guard: a module whose step alone passes the budget
-            # (NOTE [heavy modules]) is timed without grad and offered no option.
-            heavy = False
-            offered: dict[str, int] = {}
-            alone = _Alone(module, args, kwargs)
-            if rep in inner:
-                try:
-                    with guard(left, probe):
-                        gap = max(gap, alone.workspace_bytes(probe))
-                        offered = alone.option_bytes(policies)
-                except Overrun:
-                    heavy, offered = True, {}
-                alone.clear()
-            # A candidate with candidates inside runs with those forgotten, so that its
-            # forward holds their inputs, not its whole subtree's activations; their
-            # regions' fixed costs are taken off its time.
-            inside = [n for n in names if parent[n] == rep]
-            forward = functools.partial(alone.call, module)
-            with applied(model, dict.fromkeys(inside, "forget"), {}):
-                if heavy:
-                    with torch.no_grad():
-                        times[rep] = _median_s(forward, repeats)
-                else:
-                    times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
-            if rep in inner:
-                figures[rep] = alone.option_times(offered, policies, repeats)
-                alone.clear()
-            del args, kwargs, forward, alone
+    reps = list(dict.fromkeys(rep_of.values()))
+    for rep, args, kwargs, held in _captured(step, reps, layouts, limit, probe):
+        left = None if alone_limit is None else alone_limit - held
+        module = model.get_submodule(rep)
+        # Bytes first, under the guard: a module whose step alone passes the budget
+        # (NOTE [heavy modules]) is timed without grad and offered no option.
+        heavy = False
+        offered: dict[str, int] = {}
+        alone = _Alone(module, args, kwargs)
+        if rep in inner:
+            try:
+                with guard(left, probe):
+                    gap = max(gap, alone.workspace_bytes(probe))
+                    offered = alone.option_bytes(policies)
+            except Overrun:
+                heavy, offered = True, {}
+            alone.clear()
+        # A candidate with candidates inside runs with those forgotten, so that its
+        # forward holds their inputs, not its whole subtree's activations; their
+        # regions' fixed costs are taken off its time.
+        inside = [n for n in names if parent[n] == rep]
+        forward = functools.partial(alone.call, module)
+        with applied(model, dict.fromkeys(inside, "forget"), {}):
+            if heavy:
+                with torch.no_grad():
+                    times[rep] = _median_s(forward, repeats)
+            else:
+                times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
+        if rep in inner:
+            figures[rep] = alone.option_times(offered, policies, repeats)
+            alone.clear()
+        del args, kwargs, forward, alone
     return {name: times[rep_of[name]] + fixed for name in names}, gap, figures
 
 
