@@ -25,11 +25,16 @@ def _head(saved: bool) -> nn.Module:
     return nn.Sequential(nn.Dropout(0.3, inplace=True), *layers)
 
 
-def _step(run, keep: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """A step whose region's argument is an op's output, kept or dropped by the caller."""
+def _argument() -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight, and an op's output made from it: the argument a region writes into."""
     w = torch.eye(WIDTH).add(0.1).requires_grad_()
     torch.manual_seed(1)
-    x = torch.randn(5, WIDTH) @ w
+    return w, torch.randn(5, WIDTH) @ w
+
+
+def _step(run, keep: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """A step whose region's argument is an op's output, kept or dropped by the caller."""
+    w, x = _argument()
     held = x if keep else None
     y = run(x)
     del x
@@ -61,9 +66,7 @@ def test_under_create_graph_a_kept_argument_is_exact_and_a_dropped_one_raises():
         return lin(a.mul_(2.0).exp())
 
     def penalty(run, keep: bool) -> torch.Tensor:
-        w = torch.eye(WIDTH).add(0.1).requires_grad_()
-        torch.manual_seed(1)
-        x = torch.randn(5, WIDTH) @ w
+        w, x = _argument()
         held = x if keep else None
         y = run(x)
         del x

@@ -95,8 +95,8 @@ def cut_written(
     aliases: dict[int, torch.Tensor] = {}
     for i, before in zip(positions, grad_fns, strict=True):
         t = flat[i]
-        if type(t) is WrittenArgument or not isinstance(t, torch.Tensor):
-            continue
+        if not isinstance(t, torch.Tensor):
+            continue  # an enclosing region's slot (NOTE [nesting])
         if id(t) in written and t.grad_fn is not None and t.grad_fn is not before:
             held = WrittenArgument(t)
             aliases[id(t)] = held.alias
