@@ -1,8 +1,9 @@
 """The clock planning times with: the wall clock, or one a test puts in its place.
 
 Every time the planner and the profiler read (`_timing`, `_profile`) is the
-``elapsed(fn)`` of a call: run ``fn``, return the seconds it took. The wall
-clock (`WallClock`, the default) does exactly that. A test that checks what
+``elapsed(fn)`` of a call: run ``fn``, return the seconds it took; or the
+``spans(fn, modules)`` of one: the seconds each module's call took within it.
+The wall clock (`WallClock`, the default) does exactly that. A test that checks what
 planning does with bytes, schedules or gradients, not with times, can put a
 `FixedClock` in place (`using`): it runs nothing and reports the same seconds
 for every call, so profiling and the planner's side-by-side timing cost no
@@ -14,13 +15,24 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
 
 
 class Clock(Protocol):
     def elapsed(self, fn: Callable[[], object]) -> float:
         """The seconds ``fn()`` takes (a stand-in may report them without running it)."""
+        ...
+
+    def spans(
+        self, fn: Callable[[], object], modules: Mapping[str, nn.Module], sync: bool
+    ) -> dict[str, float]:
+        """The seconds each of ``modules`` takes within one ``fn()``, by name (a
+        stand-in may report them without running it); ``sync``: wait for CUDA at
+        each read."""
         ...
 
 
@@ -31,6 +43,41 @@ class WallClock:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
+
+    def spans(
+        self, fn: Callable[[], object], modules: Mapping[str, nn.Module], sync: bool
+    ) -> dict[str, float]:
+        """Reads the clock in a hook before and after each module's call."""
+        started: dict[str, float] = {}
+        spent: dict[str, float] = {}
+
+        def now() -> float:
+            if sync:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def pre(name: str) -> Callable[..., None]:
+            def hook(*_: Any) -> None:
+                started[name] = now()
+
+            return hook
+
+        def post(name: str) -> Callable[..., None]:
+            def hook(*_: Any) -> None:
+                spent[name] = spent.get(name, 0.0) + now() - started.pop(name)
+
+            return hook
+
+        handles = []
+        try:
+            for name, module in modules.items():
+                handles.append(module.register_forward_pre_hook(pre(name)))
+                handles.append(module.register_forward_hook(post(name)))
+            fn()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return spent
 
 
 class FixedClock:
@@ -44,6 +91,12 @@ class FixedClock:
         self.calls += 1
         return self.seconds
 
+    def spans(
+        self, fn: Callable[[], object], modules: Mapping[str, nn.Module], sync: bool
+    ) -> dict[str, float]:
+        self.calls += 1
+        return dict.fromkeys(modules, self.seconds)
+
 
 _clock: Clock = WallClock()
 
@@ -51,6 +104,13 @@ _clock: Clock = WallClock()
 def elapsed(fn: Callable[[], object]) -> float:
     """The seconds ``fn()`` takes, on the clock in use."""
     return _clock.elapsed(fn)
+
+
+def spans(
+    fn: Callable[[], object], modules: Mapping[str, nn.Module], sync: bool = False
+) -> dict[str, float]:
+    """The seconds each of ``modules`` takes within one ``fn()``, on the clock in use."""
+    return _clock.spans(fn, modules, sync)
 
 
 @contextlib.contextmanager

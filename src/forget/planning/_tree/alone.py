@@ -1,13 +1,14 @@
-"""A tree candidate alone on real inputs: captured, timed, its workspace and options measured.
+"""Tree candidates on real inputs: timed in whole forwards, the innermost run alone.
 
 `forget.planning._tree.profile` takes a step's bytes from a run on fake tensors
-(NOTE [tree figures]); what needs real tensors is taken here, one kind of
-module at a time (`alone_figures`): its inputs, captured by a forward without
-grad stopped at it (`_capture`; several modules' by one forward, NOTE
-[captures together]), its forward's time, the workspace its step takes beyond
-its storages, and its leaf options' bytes and times (`_Alone`). One module's
-work is live at once, beside at most one largest module's inputs more
-(NOTE [planning within the budget] in `.planner`).
+(NOTE [tree figures]); what needs real tensors is taken here (`alone_figures`):
+every candidate's forward time, from whole forwards without grad
+(`forward_times`), and, one innermost kind of module at a time, its inputs,
+captured by a forward without grad stopped at it (`_capture`; several
+modules' by one forward, NOTE [captures together]), the workspace its step
+takes beyond its storages, and its leaf options' bytes and times (`_Alone`).
+One module's work is live at once, beside at most one largest module's
+inputs more (NOTE [planning within the budget] in `.planner`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from torch.utils import _pytree as pytree
 from ...engine import storage_of
 from ...memory import Ledger, measure, watch
 from ...policies import Policy
+from .._clock import spans
 from .._guard import Overrun, guard, peak_bytes
-from .._timing import _median_s, _region_overhead_s, _step_of, time_calls
-from .apply import applied, run_option
+from .._timing import _region_overhead_s, _step_of, time_calls
+from .apply import run_option
 from .step import TreeStep
 
 # A candidate's inputs as the step passes them: per tensor leaf (in pytree order)
@@ -175,7 +177,8 @@ def alone_figures(
     alone_limit: int | None,
     probe: str,
 ) -> tuple[dict[str, float], int, dict[str, dict[str, tuple[int, float]]]]:
-    """Times, workspace and options' figures, one representative at a time (NOTE [alike stages]).
+    """Times (`forward_times`), then workspace and options' figures, one innermost
+    representative at a time (NOTE [alike stages]).
 
     Each representative's inputs are captured (`_capture`, with others' where
     they are small, NOTE [captures together]), its figures taken, and its
@@ -191,50 +194,66 @@ def alone_figures(
     budget: a plan made at the least feasible budget one planner names is the
     plan another finds there. So a module's step alone may pass a budget below
     the plain peak; where one passes even ``alone_limit``, the module is heavy:
-    its step is not run again, its forward is timed without grad (a forgotten
-    region's re-run costs about that), its workspace is not learned, and it is
-    offered no option.
+    its workspace is not learned, and it is offered no option.
     """
     model = step.model
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
+    times = forward_times(step, names, rep_of, repeats)
     inner = set(names) - set(parent.values())
-    times: dict[str, float] = {}
     figures: dict[str, dict[str, tuple[int, float]]] = {}
     gap = 0
-    reps = list(dict.fromkeys(rep_of.values()))
+    # Only the innermost kinds run alone: for their workspace and options.
+    reps = [rep for rep in dict.fromkeys(rep_of.values()) if rep in inner]
     for rep, args, kwargs, held in _captured(step, reps, layouts, limit, probe):
         left = None if alone_limit is None else alone_limit - held
-        module = model.get_submodule(rep)
         # Bytes first, under the guard: a module whose step alone passes the budget
-        # (NOTE [heavy modules]) is timed without grad and offered no option.
-        heavy = False
+        # (NOTE [heavy modules]) is offered no option.
         offered: dict[str, int] = {}
-        alone = _Alone(module, args, kwargs)
-        if rep in inner:
-            try:
-                with guard(left, probe):
-                    gap = max(gap, alone.workspace_bytes(probe))
-                    offered = alone.option_bytes(policies)
-            except Overrun:
-                heavy, offered = True, {}
-            alone.clear()
-        # A candidate with candidates inside runs with those forgotten, so that its
-        # forward holds their inputs, not its whole subtree's activations; their
-        # regions' fixed costs are taken off its time.
-        inside = [n for n in names if parent[n] == rep]
-        forward = functools.partial(alone.call, module)
-        with applied(model, dict.fromkeys(inside, "forget"), {}):
-            if heavy:
-                with torch.no_grad():
-                    times[rep] = _median_s(forward, repeats)
-            else:
-                times[rep] = max(0.0, _median_s(forward, repeats) - fixed * len(inside))
-        if rep in inner:
-            figures[rep] = alone.option_times(offered, policies, repeats)
-            alone.clear()
-        del args, kwargs, forward, alone
-    return {name: times[rep_of[name]] + fixed for name in names}, gap, figures
+        alone = _Alone(model.get_submodule(rep), args, kwargs)
+        try:
+            with guard(left, probe):
+                gap = max(gap, alone.workspace_bytes(probe))
+                offered = alone.option_bytes(policies)
+        except Overrun:
+            offered = {}
+        alone.clear()
+        figures[rep] = alone.option_times(offered, policies, repeats)
+        alone.clear()
+        del args, kwargs, alone
+    return {name: times[name] + fixed for name in names}, gap, figures
+
+
+def forward_times(
+    step: TreeStep, names: Sequence[str], rep_of: Mapping[str, str], repeats: int
+) -> dict[str, float]:
+    """Each candidate's forward seconds, from whole forwards of the model without grad.
+
+    NOTE [forwards timed whole]: a candidate's time is what its forward takes
+    within ``repeats`` forwards of the model without grad (a hook before and
+    after its call; `_clock.spans`), the median over them and over the modules
+    alike to it (NOTE [alike stages]). Timing each kind of module alone, on
+    inputs captured for it, ran a forward of every level of the tree once per
+    repeat: a fifth of a ResNet's planning, and its 20 kinds of module with
+    candidates inside needed a capture each for nothing else
+    (benchmarks/measured.md). A forward without grad holds no activation, no
+    more than the guarded one `profile_tree` runs before; it is 3 to 10 %
+    faster than one with grad on the models of benchmarks/tree_targets.py, the
+    same for every candidate, which only orders them.
+    """
+    model = step.model
+    modules = {name: model.get_submodule(name) for name in names}
+    sync = any(p.is_cuda for p in model.parameters())
+
+    def forward() -> None:
+        model(*step.args, **step.kwargs)
+
+    with torch.no_grad():
+        rounds = [spans(forward, modules, sync) for _ in range(repeats)]
+    alike: dict[str, list[float]] = {}
+    for name in names:
+        alike.setdefault(rep_of[name], []).extend(r.get(name, 0.0) for r in rounds)
+    return {name: statistics.median(alike[rep_of[name]]) for name in names}
 
 
 def _scalar(output: Any) -> Tensor:

@@ -38,14 +38,14 @@ prediction is high, never trusted (NOTE [tree plans measured]); a model whose
 step cannot run on fake tensors at all (an op whose output depends on the
 data) is profiled on real tensors, with a warning: that needs the plain step's
 memory.
-Times: a node's ``forward_s`` is its forward with grad on the inputs it took
-in that step (its candidates inside forgotten, their fixed costs taken off),
-plus the fixed cost of a region (NOTE [time of a region]), medians over
-``repeats``, measured once per kind of alike modules (NOTE [alike stages]) on
-real inputs captured by a forward without grad stopped at that module. A leaf
-option's figures (a policy keep, regenerate) are measured on the module alone
-with those inputs: the bytes it saves fewer than keeping, and its step's extra
-time. Options are offered on the innermost candidates
+Times: a node's ``forward_s`` is what its call takes within whole forwards of
+the model without grad (NOTE [forwards timed whole] in `.alone`), the median
+over ``repeats`` of them and over its alike modules (NOTE [alike stages]),
+plus the fixed cost of a region (NOTE [time of a region]). A leaf option's
+figures (a policy keep, regenerate) are measured on the module alone, once
+per kind of alike modules, on real inputs captured by a forward without grad
+stopped at that module: the bytes it saves fewer than keeping, and its step's
+extra time. Options are offered on the innermost candidates
 only (the layers, stems and heads; no candidate below them): an option fixes
 its node's whole subtree, which the children's own options nearly compose
 (one region instead of one per child), while timing it costs a run of the
