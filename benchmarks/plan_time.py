@@ -7,8 +7,9 @@ The models of benchmarks/tree_targets.py (its ``MODELS``), one torch thread.
 Per model: the plain step's CPU time (`time.process_time`, the mean of
 ``--repeats`` steps after two warm-up steps), then per budget a fresh
 `forget.planning.TreePlanner` (what `forget.plan` runs, with the default
-options) planned for it, and its CPU time from construction to plan over 30
-plain steps'. CPU time, not wall time: on a shared machine the wall clock
+options, the heap frozen and the budget given to the profile as it gives them)
+planned for it, and its CPU time from construction to plan over 30 plain
+steps'. CPU time, not wall time: on a shared machine the wall clock
 charges a process for its neighbours. Also per row: the assignments measured
 (guarded steps run, stopped ones included) and the plan's peak over the budget.
 """
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 import forget
+from forget.memory import frozen_heap
 from forget.planning import DEFAULT_OPTIONS, TreePlanner
 from tree_targets import MODELS
 
@@ -61,12 +63,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         thirty = 30 * plain_step_s(model, inputs, args.repeats)
         for budget in args.budgets.split(","):
             start = time.process_time()
-            planner = TreePlanner(model, (), inputs, options=DEFAULT_OPTIONS)
-            try:
-                plan = planner.plan(planner.least() if budget == "least" else budget)
-                fit = f"{plan.measured_peak_bytes / plan.budget_bytes:.3f}"
-            except forget.BudgetInfeasibleError:
-                fit = "infeasible"
+            # As `forget.plan` plans: the heap frozen, the budget given to the profile.
+            with frozen_heap():
+                given = None if budget == "least" else budget
+                planner = TreePlanner(model, (), inputs, options=DEFAULT_OPTIONS, budget=given)
+                try:
+                    plan = planner.plan(planner.least() if budget == "least" else budget)
+                    fit = f"{plan.measured_peak_bytes / plan.budget_bytes:.3f}"
+                except forget.BudgetInfeasibleError:
+                    fit = "infeasible"
             spent = time.process_time() - start
             tried = len(planner.measured) + len(planner.stopped)
             print(

@@ -33,7 +33,7 @@ import torch
 import forget
 from forget import BudgetInfeasibleError, TreePlan
 from forget.integrations import transformers as forget_hf
-from forget.planning import _clock
+from forget.planning import TreePlanner, _clock
 
 transformers = pytest.importorskip("transformers")
 
@@ -799,32 +799,27 @@ def enabled(enabled_models: dict[str, Enabled], name: str) -> Enabled:
 
 
 def _enabled(name: str) -> Enabled:
-    """``name``'s model enabled on copies at each budget (the least: what the first names)."""
+    """``name``'s model enabled on copies at each budget (the least: as a planner finds it)."""
     torch.manual_seed(0)
     make, make_inputs = BUDGET_MODELS[name]
     model, inputs = make().train(), make_inputs()
     _step_of(model, inputs, seed=0)  # what a forward makes lazily exists before the state is read
     plain_peak = _allocator_peak(model, inputs)
     runs: dict[str, tuple[Any, TreePlan] | BudgetInfeasibleError] = {}
-    least: int | None = None
     with _clock.using(_clock.FixedClock()):
         for budget in BUDGETS[name]:
             copied = copy.deepcopy(model)
+            given: int | str = budget
+            if budget == "least":  # a plan need not search for it (NOTE [least on demand])
+                given = TreePlanner(copy.deepcopy(model), (), inputs).least()
             try:
-                forget_hf.enable(
-                    copied, budget=least if budget == "least" else budget, inputs=inputs
-                )
+                forget_hf.enable(copied, budget=given, inputs=inputs)
             except BudgetInfeasibleError as error:
                 runs[budget] = error
             else:
                 plan = forget_hf.plan_of(copied)
                 assert plan is not None
                 runs[budget] = (copied, plan)
-            if least is None:
-                first = runs[budget]
-                least = (
-                    first if isinstance(first, BudgetInfeasibleError) else first[1]
-                ).min_feasible_bytes
     return Enabled(name, model, inputs, _module_state(model), plain_peak, runs)
 
 

@@ -53,8 +53,7 @@ def planned(request: pytest.FixtureRequest) -> Planned:
         plans: dict[str, TreePlan | BudgetInfeasibleError] = {}
         for budget in BUDGETS:
             if budget == "least":
-                least = planner.plan(planner.plain_peak).min_feasible_bytes
-                plans[budget] = planner.plan(least)
+                plans[budget] = planner.plan(planner.least())
                 continue
             try:
                 plans[budget] = planner.plan(budget)
@@ -118,6 +117,40 @@ def test_least_feasible_budget_works_and_one_byte_less_raises(planned):
         planned.planner.plan(least.min_feasible_bytes - 1)
     assert error.value.min_feasible_bytes == least.min_feasible_bytes
     assert f"{least.min_feasible_bytes:,} B" in str(error.value)
+
+
+def test_the_least_is_searched_for_only_where_wanted():
+    # NOTE [least on demand]: a budget the search fits measures neither assignment of
+    # least memory; the plan says its least is a budget measured to fit.
+    model, inputs = MODELS["resnet"]()
+    with _clock.using(_clock.FixedClock()):
+        planner = TreePlanner(model, (), inputs, repeats=1)
+        plan = planner.plan("75%")
+        scan = [planner.choices_at(0), planner.baseline()]
+        assert not any(_key(choices) in planner.measured for choices in scan)
+        assert not plan.least_searched
+        peaks = [peak for _, peak in planner.measured.values()]
+        assert plan.min_feasible_bytes == min(peaks) <= plan.measured_peak_bytes
+        assert "least budget measured to fit" in str(plan)
+        assert TreePlan.from_dict(plan.to_dict()) == plan
+        # A budget nothing fits: both are tried, under that budget, which stops them.
+        with pytest.raises(BudgetInfeasibleError) as error:
+            planner.plan(plan.plain_peak_bytes // 10)
+        assert all(_key(choices) in planner.stopped for choices in scan)
+        assert error.value.min_feasible_bytes == plan.min_feasible_bytes  # known to fit
+        assert not planner.plan("75%").least_searched
+        least = planner.least()  # under the last budget, 75 %: measured
+        assert planner.least_searched() and least <= plan.min_feasible_bytes
+        again = planner.plan("75%")
+        assert again.least_searched and again.min_feasible_bytes == least
+        assert "least feasible budget" in str(again)
+        with pytest.raises(BudgetInfeasibleError) as error:
+            planner.plan(least - 1)
+        assert error.value.min_feasible_bytes == least
+
+
+def _key(choices):
+    return tuple(sorted(choices.items()))
 
 
 def test_planning_leaves_the_model_as_it_was(planned):

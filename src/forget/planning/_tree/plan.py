@@ -68,7 +68,9 @@ class TreePlan(SavedAsJson):
         plain_ledger_peak_bytes: the plain step's peak by the ledger, from its
             run on fake tensors.
         min_feasible_bytes: the least allocator peak of any assignment measured:
-            the smallest budget `forget.plan` accepts for this model and input.
+            where ``least_searched``, the smallest budget `forget.plan` accepts
+            for this model and input; else a budget known to fit, at or above
+            that (NOTE [least on demand] in `forget.planning`).
         predicted_peak_bytes: the cost model's peak of ``choices``.
         predicted_extra_s: the cost model's seconds added to a step.
         probe: the allocator probe (``"profiler"``: the CPU allocator's events,
@@ -78,6 +80,8 @@ class TreePlan(SavedAsJson):
             the name of its argument of the model's forward (``"input_ids"``);
             the plan was measured on the largest.
         option_names: the leaf options the planner could choose from.
+        least_searched: whether the planner measured the assignments of least
+            memory, so that ``min_feasible_bytes`` is the least feasible budget.
     """
 
     choices: Mapping[str, str]
@@ -94,6 +98,7 @@ class TreePlan(SavedAsJson):
     structure: tuple[tuple[str, str], ...]
     input_sizes: tuple[Mapping[str, tuple[int, ...]], ...] = ()
     option_names: tuple[str, ...] = ()
+    least_searched: bool = True
     policies: Mapping[str, Policy] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------ applying
@@ -227,10 +232,15 @@ class TreePlan(SavedAsJson):
                 "  the measured peak decides, and it fits the budget; the predicted one, the "
                 "cost model's, only chose which plans to measure"
             )
-        lines += [
-            f"  least feasible budget: {self.min_feasible_bytes:,} B; predicted extra time "
-            f"+{self.predicted_extra_s * 1e3:.3f} ms a step",
-        ]
+        least = (
+            f"least feasible budget: {self.min_feasible_bytes:,} B"
+            if self.least_searched
+            else f"least budget measured to fit: {self.min_feasible_bytes:,} B (the least "
+            "feasible was not searched for: `forget plan --budgets min` finds it)"
+        )
+        lines.append(
+            f"  {least}; predicted extra time +{self.predicted_extra_s * 1e3:.3f} ms a step"
+        )
         return "\n".join(lines)
 
     # ------------------------------------------------------------ JSON
@@ -257,6 +267,7 @@ class TreePlan(SavedAsJson):
             "structure": [list(pair) for pair in self.structure],
             "input_sizes": [{k: list(v) for k, v in s.items()} for s in self.input_sizes],
             "option_names": list(self.option_names),
+            "least_searched": self.least_searched,
             "default_options": dict(self.policies) == dict(DEFAULT_OPTIONS),
         }
 
@@ -294,6 +305,7 @@ class TreePlan(SavedAsJson):
                 for s in obj.get("input_sizes", ())
             ),
             option_names=tuple(obj.get("option_names", ())),
+            least_searched=bool(obj.get("least_searched", True)),  # searched in older files
             policies=_check_options(
                 DEFAULT_OPTIONS if options is None and obj.get("default_options") else options
             ),

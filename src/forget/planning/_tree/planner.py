@@ -14,15 +14,7 @@ peak of the real step: on CPU the allocator's own events
 does not see kernel workspaces (a BatchNorm conv step reads less on the ledger
 than the allocator hands out). Every assignment tried is applied and its step
 measured once (under the guard: NOTE [planning within the budget]), and the
-planner remembers them all. First, once: the
-frontier's least-memory point and the baseline that forgets every innermost
-candidate (every layer, as transformers' checkpointing does; eight points
-spread over the frontier besides found no lower peak on the four models of
-benchmarks/tree_targets.py, and cost six measured steps); the measured peak
-does not always fall along the frontier (the model does not see, for one, that
-forgetting the last layer lowers the peak at the loss's backward), so the
-least feasible budget is the least peak measured of any assignment, not the
-frontier's first. Then, per budget, a search along the frontier from the
+planner remembers them all. Per budget, a search along the frontier from the
 point the model predicts to fit (a step up after a fit, down after a miss,
 doubling, and down at least to the last point predicted to fit were it
 mispredicted as the missing one was; then halving once both sides are
@@ -48,6 +40,23 @@ planning time. The plan reports the chosen one's ledger peak too: on CPU the
 guard's ledger took it in the same step (NOTE [guarded steps]), on CUDA one more
 step measures it. A returned plan has ``measured_peak_bytes <= budget_bytes``, by the
 allocator, for the inputs it was planned with.
+
+NOTE [least on demand]: the least feasible budget is the lesser measured peak
+of two assignments: the frontier's least-memory point and the baseline that
+forgets every innermost candidate (every layer, as transformers' checkpointing
+does; eight points spread over the frontier besides found no lower peak on the
+four models of benchmarks/tree_targets.py, and cost six measured steps); the
+measured peak does not always fall along the frontier (the model does not
+see, for one, that forgetting the last layer lowers the peak at the loss's
+backward), so it is not the frontier's first. Both re-run the most of any
+assignment, and measuring them cost a third of planning at 75 % (3.4 and 2.9
+plain steps each on the Llama, 4.4 and 4.8 on the ResNet of
+benchmarks/tree_targets.py). So they are measured only where the least is
+wanted: where the search found no fit (the error names the least), or when
+asked (`TreePlanner.least`, the command line's ``--budgets min``). A plan
+made without them says so (``least_searched``): its ``min_feasible_bytes`` is
+then the least peak the search measured, a budget known to fit, not the
+least.
 
 NOTE [planning within the budget]: the user who needs a plan is the one whose
 plain step does not fit, so planning never runs the plain step and never holds
@@ -116,6 +125,10 @@ assignment they come from, fits: on GPT-2 of benchmarks/tree_targets.py at 50 %
 the first three layers forgotten were predicted above the budget, so the plan
 also re-ran the fourth (`regenerate`) for no byte at the peak (measured
 35,160,032 B either way) and was 1.14 times as slow (benchmarks/measured.md).
+A variant the cost model predicts to save no time is not measured: on the
+4-layer Llama at 75 %, four variants of a plan regenerating four layers, each
+option timed at no extra cost, took four guarded steps (about a quarter of
+that plan's planning) and could gain nothing the model sees.
 
 NOTE [default options]: a plan of whole modules forgets whole layers, and
 layers alike cost alike, so on a transformer every such plan is some k layers
@@ -277,7 +290,7 @@ class TreePlanner:
         # The guard's limit on every measured step: the budget being planned; before
         # any, the predicted plain peak (NOTE [planning within the budget]).
         self.limit_bytes = self.plain_peak
-        self._scanned = False
+        self._scan: list[dict[str, str]] | None = None  # NOTE [least on demand]
 
     # ------------------------------------------------------------ measuring
 
@@ -367,20 +380,34 @@ class TreePlanner:
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
     def least(self) -> int:
-        """The least allocator peak of any assignment measured, after the first scan.
+        """The least allocator peak of any assignment measured, after measuring the two
+        of least memory (NOTE [least on demand]).
 
         Where every step tried passed the limit, the least feasible budget is
         not measured: it is then the cost model's least peak, or the least bound
         a stopped step passed where that is higher (NOTE [planning within the
         budget]).
         """
-        if not self._scanned:
-            self._scanned = True
-            self.peak(self.choices_at(0))
-            self.peak(self.baseline())
+        for choices in self._least_points():
+            self.peak(choices)  # once each, or again under a limit above the one it passed
+        return self._least_measured()
+
+    def _least_points(self) -> list[dict[str, str]]:
+        """The frontier's least-memory point and the baseline (NOTE [least on demand])."""
+        if self._scan is None:
+            self._scan = [self.choices_at(0), self.baseline()]
+        return self._scan
+
+    def least_searched(self) -> bool:
+        """Whether `least` has measured the least feasible budget (NOTE [least on demand])."""
+        return all(_key(choices) in self.measured for choices in self._least_points())
+
+    def _least_measured(self) -> int:
+        """The least allocator peak measured so far, or (none measured) `least`'s estimate."""
         if self.measured:
             return min(peak for _, peak in self.measured.values())
-        return max(self.frontier[0][0], min(bound for _, bound in self.stopped.values()))
+        bounds = [bound for _, bound in self.stopped.values()]
+        return max(self.frontier[0][0], min(bounds, default=0))
 
     def baseline(self) -> dict[str, str]:
         """Every innermost candidate forgotten (each layer, as transformers checkpoints)."""
@@ -438,7 +465,12 @@ class TreePlanner:
                 return
             best, best_peak = min(fitting, key=lambda cp: self.extra_s(cp[0]))
             variants = [{k: v for k, v in best.items() if k != name} for name in best]
-            untried = [v for v in variants if _key(v) not in self.measured]
+            # Only a variant predicted to save time is worth a step: a region whose option
+            # was timed at no extra cost (regenerate, say) saves nothing dropped.
+            cost = self.extra_s(best)
+            untried = [
+                v for v in variants if _key(v) not in self.measured and self.extra_s(v) < cost
+            ]
             if not missed:  # the model foresaw every miss: only where it over-predicted
                 error = best_peak - self.predicted_peak(best)
                 untried = [v for v in untried if self.predicted_peak(v) + error <= budget_bytes]
@@ -535,12 +567,13 @@ class TreePlanner:
         """
         budget_bytes = resolve_budget(budget, self.plain_peak, self.profile.probe)
         self.limit_bytes = budget_bytes
-        self.least()
         plain_fits = budget_bytes >= self.plain_peak and self.peak({}) <= budget_bytes
         if not plain_fits:
             self._search(budget_bytes)
             self._drop_regions(budget_bytes)
-        min_feasible = self.least()
+            if not self.fitting(budget_bytes):
+                self.least()  # NOTE [least on demand]
+        min_feasible = self._least_measured()
         # NOTE [monotone in the budget]: every assignment measured so far; where the
         # plain step fits, it alone (nothing re-runs).
         fitting = [({}, self.peak({}))] if plain_fits else self.fitting(budget_bytes)
@@ -573,5 +606,6 @@ class TreePlanner:
             structure=self.structure,
             input_sizes=self.sizes,
             option_names=tuple(self.policies),
+            least_searched=self.least_searched(),
             policies=self.policies,
         )
