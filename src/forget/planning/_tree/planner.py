@@ -128,7 +128,9 @@ assignment they come from, fits: on GPT-2 of benchmarks/tree_targets.py at 50 %
 the first three layers forgotten were predicted above the budget, so the plan
 also re-ran the fourth (`regenerate`) for no byte at the peak (measured
 35,160,032 B either way) and was 1.14 times as slow (benchmarks/measured.md).
-A variant the cost model predicts to save no time is not measured: on the
+Nor is one predicted past the budget by more than the model over-predicted
+any step measured (the plain step, once one region is left). A variant the
+cost model predicts to save no time is not measured either: on the
 4-layer Llama at 75 %, four variants of a plan regenerating four layers, each
 option timed at no extra cost, took four guarded steps (about a quarter of
 that plan's planning) and could gain nothing the model sees.
@@ -481,6 +483,9 @@ class TreePlanner:
             if not missed:  # the model foresaw every miss: only where it over-predicted
                 error = best_peak - self.predicted_peak(best)
                 untried = [v for v in untried if self.predicted_peak(v) + error <= budget_bytes]
+            else:  # none predicted to miss by more than the model ever over-predicted
+                over = max(self.predicted_peak(c) - peak for c, peak in self.measured.values())
+                untried = [v for v in untried if self.predicted_peak(v) - over <= budget_bytes]
             for variant in sorted(untried, key=self.predicted_peak)[: _MAX_DROPS - tries]:
                 tries += 1
                 if self.peak(variant) <= budget_bytes:
