@@ -17,11 +17,8 @@ measured once (under the guard: NOTE [planning within the budget]), and the
 planner remembers them all. Per budget, a search along the frontier from the
 point the model predicts to fit (a step up after a fit, down after a miss,
 doubling, and down at least to the last point predicted to fit were it
-mispredicted as the missing one was, up at most to the last one predicted to
-fit were it mispredicted as the fitting one was: on the ResNet of
-benchmarks/tree_targets.py at 75 %, after fits measured 0.75 MB below their
-predictions, two points predicted 1.5 MB past the budget were measured, and
-stopped; then halving once both sides are known, until a fitting and a
+mispredicted as the missing one was; then halving once both sides are
+known, until a fitting and a
 missing point are predicted within 1/128 of the plain peak of each other:
 the ResNet of benchmarks/tree_targets.py has 134 frontier points a median
 0.3 % of its peak apart, and a finer step there trades under 0.8 % of the
@@ -435,17 +432,13 @@ class TreePlanner:
         """Measure assignments along the frontier near the budget (NOTE [tree plans measured])."""
         predicted = [peak for peak, _ in self.frontier]
         extras = [extra for _, extra in self.frontier]
-        # The last index known to fit; the first known (or, by a fit's error, predicted) not to.
-        lo, hi = -1, len(predicted)
+        lo, hi = -1, len(predicted)  # the last index known to fit, the first known not to
         i = min(max(bisect_right(predicted, budget_bytes) - 1, 0), hi - 1)
         step = 1
         for _ in range(_MAX_PROBES):
             peak = self.peak(self.choices_at(i))
             if peak <= budget_bytes:
-                # The points above likely fit as this one did: those predicted to miss even
-                # with its error are taken as misses, not measured.
-                above = bisect_right(predicted, budget_bytes - (peak - predicted[i]))
-                lo, hi, nxt = i, min(hi, max(above, i + 1)), i + step
+                lo, nxt = i, i + step
             else:
                 # The points below likely miss by as much as this one did: step at least
                 # past the last one predicted to fit with that error.
