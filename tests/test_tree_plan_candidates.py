@@ -255,6 +255,31 @@ def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(
     assert measured == [500, 490, 492]
 
 
+def test_the_search_stops_where_no_point_is_predicted_to_fit_with_a_miss_error(fixed_clock):
+    # NOTE [least on demand]: every point measures 600 points' worth above its
+    # prediction, more than the budget leaves even the least (point 0): after the first
+    # miss nothing is predicted to fit with its error, and the search ends there, for
+    # the least to be measured. A miss of 10 points' worth searches on.
+    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
+    plain, n = planner.plain_peak, 1000
+    predicted = [plain * i // n for i in range(n)]
+    planner.frontier = [(p, float(n - i)) for i, p in enumerate(predicted)]
+    measured: list[int] = []
+    error = {"points": 600}
+
+    def peak(choices):
+        measured.append(int(choices["at"]))
+        return predicted[measured[-1]] + error["points"] * plain // n
+
+    planner.choices_at = lambda i: {"at": str(i)}  # type: ignore[method-assign]
+    planner.peak = peak  # type: ignore[method-assign]
+    planner._search(plain // 2)
+    assert measured == [500]
+    error["points"], measured[:] = 10, []
+    planner._search(plain // 2)
+    assert measured[:2] == [500, 490] and len(measured) > 2
+
+
 def test_the_search_stops_once_no_point_left_is_predicted_to_save_time(fixed_clock):
     # NOTE [close enough]: the same frontier, its points a nanosecond apart in time.
     planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)

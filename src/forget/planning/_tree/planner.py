@@ -17,14 +17,14 @@ measured once (under the guard: NOTE [planning within the budget]), and the
 planner remembers them all. Per budget, a search along the frontier from the
 point the model predicts to fit (a step up after a fit, down after a miss,
 doubling, and down at least to the last point predicted to fit were it
-mispredicted as the missing one was; then halving once both sides are
-known, until a fitting and a
-missing point are predicted within 1/128 of the plain peak of each other:
-the ResNet of benchmarks/tree_targets.py has 134 frontier points a median
-0.3 % of its peak apart, and a finer step there trades under 0.8 % of the
-peak for a measured step each). Every assignment measured so far whose peak
-fits the budget is a candidate, those of earlier budgets
-included (NOTE [monotone in the budget]), except one whose choices hold
+mispredicted as the missing one was, or, where none would fit so and none has
+fit yet, to the least (NOTE [least on demand]); then halving once both sides
+are known, until a fitting and a missing point are predicted within 1/128 of
+the plain peak of each other: the ResNet of benchmarks/tree_targets.py has
+134 frontier points a median 0.3 % of its peak apart, and a finer step there
+trades under 0.8 % of the peak for a measured step each). Every assignment
+measured so far whose peak fits the budget is a candidate, those of earlier
+budgets included (NOTE [monotone in the budget]), except one whose choices hold
 another fitting one's and more: it re-runs all that one re-runs and more, so
 it is not faster, and timing it would cost planning steps (where the plain
 step fits, it is the only candidate). Those predicted to add at most `_CLOSE`
@@ -183,15 +183,13 @@ _MAX_PROBES = 10
 # The search stops once a fitting and a missing point are predicted this close:
 # within the plain peak over this (a finer step trades less than 0.8 % of it).
 _RESOLUTION = 128
-# The search stops where what is left to gain is below the forward's time over this
-# (NOTE [close enough]).
-_TIME_RESOLUTION = 64
+# The search stops where what is left to gain is below the forward's time over this.
+_TIME_RESOLUTION = 64  # NOTE [close enough]
 # Assignments with one region fewer measured per budget, at most (NOTE [one region fewer]).
 _MAX_DROPS = 4
-# Fitting assignments timed side by side, at most (those of least predicted extra time).
-_MAX_TIMED = 3
-# Only those predicted within this factor of the least predicted extra time are timed.
-_CLOSE = 1.25
+# Fitting assignments timed side by side: at most this many, of those predicted within
+# `_CLOSE` times the least extra time.
+_MAX_TIMED, _CLOSE = 3, 1.25
 # Byte figures are pruned in units of the plain peak over this (NOTE [tree Pareto solver]).
 _UNITS_PER_PEAK = 1 << 16
 
@@ -448,6 +446,8 @@ class TreePlanner:
                 # past the last one predicted to fit with that error.
                 corrected = bisect_right(predicted, budget_bytes - (peak - predicted[i])) - 1
                 hi, nxt = i, min(i - step, corrected)
+                if corrected < 0 and lo < 0:
+                    break  # none is predicted to fit with that error: NOTE [least on demand]
             step *= 2
             known = lo >= 0 and hi < len(predicted)
             if hi - lo <= 1 or (
