@@ -27,6 +27,7 @@ from _tree_models import MODELS, _allocator_peak, _step
 from forget import BudgetInfeasibleError, TreePlan
 from forget.planning import TreePlanner, _clock
 from forget.planning._tree.apply import RegionForward
+from forget.planning._tree.planner import _key
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 
@@ -147,10 +148,6 @@ def test_the_least_is_searched_for_only_where_wanted():
         with pytest.raises(BudgetInfeasibleError) as error:
             planner.plan(least - 1)
         assert error.value.min_feasible_bytes == least
-
-
-def _key(choices):
-    return tuple(sorted(choices.items()))
 
 
 def test_planning_leaves_the_model_as_it_was(planned):

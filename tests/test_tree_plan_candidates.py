@@ -225,25 +225,39 @@ def test_an_assignment_holding_another_fitting_one_and_more_is_not_timed(fixed_c
     assert fixed_clock.calls > calls  # two of them: timed side by side
 
 
-def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(fixed_clock):
-    # NOTE [tree plans measured]: 1,000 frontier points 1/1000 of the plain peak apart,
-    # each measured 10 points' worth above its prediction.
+def _frontier(seconds_apart: float) -> tuple[TreePlanner, list[int], list[int], dict[str, int]]:
+    """A planner whose frontier is 1,000 points 1/1000 of the plain peak apart, each
+    ``seconds_apart`` faster than the one before, whose steps measure ``error["points"]``
+    thousandths of the plain peak (10 unless set) above their prediction.
+
+    Returns it, the predicted peaks, the points it measures (in order) and ``error``.
+    """
     planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
     plain, n = planner.plain_peak, 1000
     predicted = [plain * i // n for i in range(n)]
-    # Each point a second faster than the one before: none is close enough (NOTE [close enough]).
-    planner.frontier = [(p, float(n - i)) for i, p in enumerate(predicted)]
+    planner.frontier = [(p, (n - i) * seconds_apart) for i, p in enumerate(predicted)]
     measured: list[int] = []
-
-    def true_peak(i: int) -> int:
-        return predicted[i] + 10 * plain // n
+    error = {"points": 10}
 
     def peak(choices):
         measured.append(int(choices["at"]))
-        return true_peak(measured[-1])
+        return predicted[measured[-1]] + error["points"] * plain // n
 
     planner.choices_at = lambda i: {"at": str(i)}  # type: ignore[method-assign]
     planner.peak = peak  # type: ignore[method-assign]
+    return planner, predicted, measured, error
+
+
+def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(fixed_clock):
+    # NOTE [tree plans measured]: 1,000 frontier points 1/1000 of the plain peak apart,
+    # each measured 10 points' worth above its prediction.
+    # Each point a second faster than the one before: none is close enough (NOTE [close enough]).
+    planner, predicted, measured, _ = _frontier(1.0)
+    plain = planner.plain_peak
+
+    def true_peak(i: int) -> int:
+        return predicted[i] + 10 * plain // 1000
+
     budget = plain // 2
     planner._search(budget)
     lo = max(i for i in measured if true_peak(i) <= budget)
@@ -260,42 +274,20 @@ def test_the_search_stops_where_no_point_is_predicted_to_fit_with_a_miss_error(f
     # prediction, more than the budget leaves even the least (point 0): after the first
     # miss nothing is predicted to fit with its error, and the search ends there, for
     # the least to be measured. A miss of 10 points' worth searches on.
-    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
-    plain, n = planner.plain_peak, 1000
-    predicted = [plain * i // n for i in range(n)]
-    planner.frontier = [(p, float(n - i)) for i, p in enumerate(predicted)]
-    measured: list[int] = []
-    error = {"points": 600}
-
-    def peak(choices):
-        measured.append(int(choices["at"]))
-        return predicted[measured[-1]] + error["points"] * plain // n
-
-    planner.choices_at = lambda i: {"at": str(i)}  # type: ignore[method-assign]
-    planner.peak = peak  # type: ignore[method-assign]
-    planner._search(plain // 2)
+    planner, _, measured, error = _frontier(1.0)
+    error["points"] = 600
+    planner._search(planner.plain_peak // 2)
     assert measured == [500]
     error["points"], measured[:] = 10, []
-    planner._search(plain // 2)
+    planner._search(planner.plain_peak // 2)
     assert measured[:2] == [500, 490] and len(measured) > 2
 
 
 def test_the_search_stops_once_no_point_left_is_predicted_to_save_time(fixed_clock):
     # NOTE [close enough]: the same frontier, its points a nanosecond apart in time.
-    planner = TreePlanner(_GatedStack(), (torch.randn(10, 16),), repeats=1)
-    plain, n = planner.plain_peak, 1000
-    predicted = [plain * i // n for i in range(n)]
-    planner.frontier = [(p, (n - i) * 1e-9) for i, p in enumerate(predicted)]
+    planner, _, measured, _ = _frontier(1e-9)
     assert planner.tolerance_s > 9e-9
-    measured: list[int] = []
-
-    def peak(choices):
-        measured.append(int(choices["at"]))
-        return predicted[measured[-1]] + 10 * plain // n
-
-    planner.choices_at = lambda i: {"at": str(i)}  # type: ignore[method-assign]
-    planner.peak = peak  # type: ignore[method-assign]
-    planner._search(plain // 2)
+    planner._search(planner.plain_peak // 2)
     # A miss at 500, a fit at 490: the points between save 9 ns at most.
     assert measured == [500, 490]
 
