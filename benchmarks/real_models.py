@@ -135,7 +135,7 @@ def _peak(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> in
     return forget.measure(lambda: _step(model, batch), probe="profiler").peak_bytes
 
 
-def run(name: str, share: float, with_plan: bool, passes: int = 1) -> None:
+def run(name: str, share: float, with_plan: bool, passes: int = 1, read: str = "largest") -> None:
     make, batch_of, sizes = MODELS[name]
     torch.manual_seed(0)
     plain = make().train()
@@ -146,7 +146,9 @@ def run(name: str, share: float, with_plan: bool, passes: int = 1) -> None:
     plain_peak = _peak(warm, largest)
     cap_bytes = int(share * plain_peak)
     print(f"{name}: plain peak {plain_peak:,} B at batch {max(sizes)}; cap {cap_bytes:,} B")
-    handle = forget.cap(capped, cap_bytes)
+    # NOTE [records within a measure]: the steps the cap reads (NOTE [what the count
+    # misses]) it reads from the profiler that measures them here.
+    handle = forget.cap(capped, cap_bytes, read_allocator=read)
     rows = []
     held = True
     try:
@@ -166,6 +168,7 @@ def run(name: str, share: float, with_plan: bool, passes: int = 1) -> None:
             rows.append(
                 f"{n}: {peak / cap_bytes:.3f} ({len(report.evicted)}/{len(report.regions)}"
                 f"{', repeated' if report.repeated else ''}"
+                f"{', read' if report.allocator_peak_bytes is not None else ''}"
                 f"{', grads EQUAL' if equal else ', grads DIFFER'})"
             )
     finally:
@@ -201,11 +204,17 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--share", type=float, default=0.5)
     parser.add_argument("--plan", action="store_true")
+    parser.add_argument(
+        "--read",
+        choices=("largest", "every", "never"),
+        default="largest",
+        help="the cap's read_allocator (NOTE [what the count misses])",
+    )
     parser.add_argument("--passes", type=int, default=1, help="run the batch sizes this many times")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
-        run(name, args.share, args.plan, args.passes)
+        run(name, args.share, args.plan, args.passes, args.read)
 
 
 if __name__ == "__main__":

@@ -181,7 +181,12 @@ def test_a_repeated_step_above_its_estimate_on_cuda_is_decided_again(monkeypatch
     repeat = handle._repeat
     assert repeat is not None and repeat.closed and repeat.key in handle._known
     handle._repeat = SimpleNamespace(
-        cuda="cuda", key=repeat.key, decision=repeat.decision, start=0, closed=True
+        cuda="cuda",
+        key=repeat.key,
+        decision=repeat.decision,
+        start=0,
+        closed=True,
+        allocator_peak_bytes=None,
     )
     reached = repeat.decision.estimate + 1 if above == "estimate" else 10**9 + 1
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: reached)

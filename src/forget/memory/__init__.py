@@ -3,8 +3,8 @@
 - `_ledger`: the dispatch mode that counts every storage a call makes
   (NOTE [the ledger]) and `region` marks.
 - `_measure`: `measure` by the ledger, the profiler's allocator events or
-  CUDA's allocator (NOTE [the two probes]); `allocator_peak`, the peak alone;
-  `frozen_heap`.
+  CUDA's allocator (NOTE [the two probes]); `allocator_peak`, the peak alone,
+  and `AllocatorRecord`, the same record left open; `frozen_heap`.
 - `_saved`: `saved`, what a call keeps for backward.
 - `_reports`: the frozen reports they return.
 
@@ -16,9 +16,12 @@ from ._ledger import StorageRecord as StorageRecord
 from ._ledger import region as region
 from ._ledger import watch as watch
 from ._measure import PROBES as PROBES
+from ._measure import AllocatorReading as AllocatorReading
+from ._measure import AllocatorRecord as AllocatorRecord
 from ._measure import allocator_peak as allocator_peak
 from ._measure import frozen_heap as frozen_heap
 from ._measure import measure as measure
+from ._measure import stop_open_record as stop_open_record
 from ._reports import MemoryReport as MemoryReport
 from ._reports import RegionStats as RegionStats
 from ._reports import SavedReport as SavedReport
@@ -27,6 +30,8 @@ from ._saved import saved as saved
 
 __all__ = [
     "PROBES",
+    "AllocatorReading",
+    "AllocatorRecord",
     "Ledger",
     "MemoryReport",
     "RegionStats",
@@ -38,5 +43,6 @@ __all__ = [
     "measure",
     "region",
     "saved",
+    "stop_open_record",
     "watch",
 ]

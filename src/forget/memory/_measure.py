@@ -43,10 +43,12 @@ ops, are counted).
 
 from __future__ import annotations
 
+import bisect
 import gc
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
@@ -57,7 +59,15 @@ import torch
 from ._ledger import Ledger, region, watch
 from ._reports import MemoryReport, RegionStats
 
-__all__ = ["PROBES", "allocator_peak", "frozen_heap", "measure"]
+__all__ = [
+    "PROBES",
+    "AllocatorReading",
+    "AllocatorRecord",
+    "allocator_peak",
+    "frozen_heap",
+    "measure",
+    "stop_open_record",
+]
 
 PROBES = ("ledger", "profiler", "cuda")
 
@@ -141,11 +151,21 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with _without_kineto_log(), profile(activities=activities, profile_memory=True) as prof:
-        result = fn(*args, **kwargs)
-        gc.collect()
+    stop_open_record()
+    thread = threading.get_ident()
+    _WAITING[thread] = []  # NOTE [records within a measure]
+    try:
+        with _without_kineto_log(), profile(activities=activities, profile_memory=True) as prof:
+            result = fn(*args, **kwargs)
+            gc.collect()
+    finally:
+        waiting = _WAITING.pop(thread)
     tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
     memory, backward = _read_tree(tree)
+    if waiting:
+        reading = AllocatorReading.of(memory, tree)
+        for record in waiting:
+            record.deliver(reading)
     # torch's profile object is a reference cycle (its actions are its bound methods):
     # its records, several MB for a model's step, would wait for the garbage collector,
     # alive through the caller's next step (a planner measures steps back to back).
@@ -207,35 +227,176 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     events to walk (benchmarks/measured.md). Where torch's profiler cannot be
     started that way, the full probe runs.
     """
-    from torch._C._profiler import ProfilerActivity, RecordScope
-    from torch.autograd import profiler as autograd_profiler
-
+    record = AllocatorRecord()
     try:
+        started = record.start()
+    except (AttributeError, TypeError):  # pragma: no cover - another torch
+        return measure(fn, probe="profiler").peak_bytes
+    if not started:
+        raise RuntimeError(
+            "forget: torch's profiler runs already on this thread, and the allocator's "
+            "record needs it; stop that profiler first."
+        )
+    try:
+        fn()
+        gc.collect()
+    finally:
+        reading = record.stop()
+    return reading.peak()
+
+
+class AllocatorRecord:
+    """The CPU allocator's events from `start` to `stop`, as `allocator_peak` reads them.
+
+    Between the two a caller may `mark` instants by name (from any code the thread
+    runs, autograd's hooks and callbacks included); `stop` returns an
+    `AllocatorReading`, which gives the peak between any two of them. Allocations
+    alone are recorded (NOTE [allocations alone]), with the marks, which are
+    ``torch.autograd.profiler.record_function`` scopes: a user's own scopes inside
+    the record are recorded too, and walked past. torch's profiler runs once per
+    thread: where one runs already `start` records nothing and says so, and `stop`
+    must come on the thread `start` ran on, from no autograd hook or callback (the
+    engine puts its thread's profiler state back after each). A record left open
+    is stopped by forget's next allocator probe on its thread (`stop_open_record`):
+    ``on_stop`` hears the reading either way.
+
+    NOTE [records within a measure]: a record started while ``measure(...,
+    probe="profiler")`` runs on its thread cannot start a profiler of its own; it
+    borrows `measure`'s, whose events and marks it is given when `measure` ends
+    (its `stop` before then does nothing). So a capped step measured that way is
+    read by its cap too, as it would be unmeasured.
+
+    Args:
+        on_stop: called with the reading when the record stops.
+    """
+
+    MARK = "forget::mark "
+
+    def __init__(self, on_stop: Callable[[AllocatorReading], None] | None = None) -> None:
+        self.running = self.borrowed = False
+        self.marks: set[str] = set()
+        self.on_stop = on_stop
+
+    def start(self) -> bool:
+        """Start recording; ``False`` (nothing started) where a profiler runs already.
+
+        Raises:
+            AttributeError, TypeError: torch's profiler cannot be started this way
+                (another torch than the one forget was written against).
+        """
+        from torch._C._profiler import ProfilerActivity, RecordScope
+        from torch.autograd import profiler as autograd_profiler
+
+        stop_open_record()
+        if self.running:
+            return False
+        waiting = _WAITING.get(threading.get_ident())
+        if waiting is not None:  # NOTE [records within a measure]
+            waiting.append(self)
+            self.running = self.borrowed = True
+            return True
+        if torch._C._autograd._profiler_enabled():
+            return False
         prof = autograd_profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
         try:
             config = prof.config(create_trace_id=False)
         except TypeError:  # torch < 2.6
             config = prof.config()
         activities = {ProfilerActivity.CPU}
-        scopes = {RecordScope.BACKWARD_FUNCTION}
-    except (AttributeError, TypeError):  # pragma: no cover - another torch
-        return measure(fn, probe="profiler").peak_bytes
-    with _without_kineto_log():
-        autograd_profiler._prepare_profiler(config, activities)
-        autograd_profiler._enable_profiler(config, activities, scopes)  # type: ignore[call-arg]
-        try:
-            fn()
-            gc.collect()
-        finally:
+        scopes = {RecordScope.BACKWARD_FUNCTION, RecordScope.USER_SCOPE}
+        with _without_kineto_log():  # the start alone: the user's stderr flows meanwhile
+            autograd_profiler._prepare_profiler(config, activities)
+            autograd_profiler._enable_profiler(config, activities, scopes)  # type: ignore[call-arg]
+        self.running = True
+        _OPEN[threading.get_ident()] = self
+        return True
+
+    def mark(self, name: str) -> None:
+        """Note this instant in the record as ``name``."""
+        if self.running:
+            with torch.autograd.profiler.record_function(self.MARK + name):
+                self.marks.add(name)
+
+    def stop(self) -> AllocatorReading:
+        """Stop, and read the record."""
+        from torch.autograd import profiler as autograd_profiler
+
+        if not self.running or self.borrowed:  # a borrowed record hears when `measure` ends
+            return AllocatorReading([], {})
+        _OPEN.pop(threading.get_ident(), None)
+        with _without_kineto_log():
             results = autograd_profiler._disable_profiler()
-    tree = results.experimental_event_tree()
-    memory, _ = _read_tree(tree)
-    del tree, results
-    live = peak = 0
-    for _, _, nbytes, _ in memory:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+        tree = results.experimental_event_tree()
+        reading = AllocatorReading.of(_read_tree(tree)[0], tree)
+        del tree, results
+        self.deliver(reading)
+        return reading
+
+    def deliver(self, reading: AllocatorReading) -> None:
+        """The record has stopped: ``reading`` is what it read."""
+        self.running = False
+        if self.on_stop is not None:
+            self.on_stop(reading)
+
+
+class AllocatorReading:
+    """What an `AllocatorRecord` read: the bytes live after each allocation and free
+    (above the record's start), and the time of each mark's first instant.
+
+    Attributes:
+        marks: mark name -> its first instant (ns, the profiler's clock).
+    """
+
+    def __init__(self, series: list[tuple[int, int]], marks: dict[str, int]) -> None:
+        self._times = [t for t, _ in series]
+        self._live = [live for _, live in series]
+        self.marks = marks
+
+    @classmethod
+    def of(cls, memory: list[tuple[int, int, int, str]], tree: list[Any]) -> AllocatorReading:
+        """The reading of a profiler's events (`_read_tree`'s memory, and its tree)."""
+        mark = AllocatorRecord.MARK
+        marks: dict[str, int] = {}
+        for node in _walk(tree):
+            if node.name.startswith(mark):
+                name = node.name[len(mark) :]
+                marks[name] = min(marks.get(name, node.start_time_ns), node.start_time_ns)
+        live, series = 0, []
+        for time_ns, _, nbytes, _ in memory:
+            live += nbytes
+            series.append((time_ns, live))
+        return cls(series, marks)
+
+    def peak(self, since: int | None = None, until: int | None = None) -> int:
+        """The most bytes live from instant ``since`` to ``until`` (default: the start, the end)."""
+        first = 0 if since is None else bisect.bisect_right(self._times, since)
+        last = len(self._times) if until is None else bisect.bisect_right(self._times, until)
+        held = self._live[first - 1] if first > 0 else 0  # live as the span begins
+        return max([held, *self._live[first:last]])
+
+
+#: The record open on each thread (`AllocatorRecord.start` to `stop`).
+_OPEN: dict[int, AllocatorRecord] = {}
+
+#: NOTE [records within a measure]: while `measure`'s profiler runs on a thread, the
+#: records started there, which its reading is delivered to when it ends.
+_WAITING: dict[int, list[AllocatorRecord]] = {}
+
+
+def stop_open_record() -> None:
+    """Stop the `AllocatorRecord` left open on this thread, if any: torch's profiler
+    runs once per thread, and forget's probes need it."""
+    record = _OPEN.get(threading.get_ident())
+    if record is not None:
+        record.stop()
+
+
+def _walk(roots: list[Any]) -> Iterator[Any]:
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        yield node
 
 
 @contextmanager

@@ -4,6 +4,8 @@
   wrapped (NOTE [a cap, not a plan]).
 - `_steps`: one step's count of bytes and its evictions (NOTE [the cap's count],
   NOTE [eviction order]).
+- `_report`: `StepReport`, what the cap did in one step; `_orders`: the eviction
+  orders by name.
 
 The regions themselves are the engine's (`forget.engine.DroppableRegion`). Other
 packages import the names below, never the underscore modules.
@@ -12,7 +14,7 @@ packages import the names below, never the underscore modules.
 from ._cap import Cap as Cap
 from ._cap import budget_to_bytes as budget_to_bytes
 from ._cap import cap as cap
-from ._steps import EVICTIONS as EVICTIONS
-from ._steps import StepReport as StepReport
+from ._orders import EVICTIONS as EVICTIONS
+from ._report import StepReport as StepReport
 
 __all__ = ["EVICTIONS", "Cap", "StepReport", "budget_to_bytes", "cap"]

@@ -59,9 +59,12 @@ from torch.utils import _pytree as pytree
 
 from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
 from ..errors import ForgetError
+from ..memory import AllocatorReading
 from ..planning import find_candidates, is_wrapped
 from ..schedules import parse_budget
-from ._steps import EVICTIONS, Step, StepReport
+from ._reads import READ_ALLOCATOR, Reads
+from ._report import StepReport
+from ._steps import EVICTIONS, Step, on_backward_end, tensors_in
 
 __all__ = ["Cap", "cap"]
 
@@ -76,6 +79,7 @@ def cap(
     candidates: str | type | Iterable[str | type] | None = None,
     eviction: str = "largest",
     repeat_known_shapes: bool = True,
+    read_allocator: str = "largest",
 ) -> Cap:
     """Keep every training step of ``model`` under ``budget`` bytes, in place, with no plan.
 
@@ -107,6 +111,13 @@ def cap(
             decision with no count: plain where nothing was evicted (NOTE [steps
             of known shapes]); ``False`` for a model whose memory depends on
             its values.
+        read_allocator: on CPU, which steps read the allocator's own record, to learn
+            what the cap's count of tensors misses (kernels' own buffers: NOTE
+            [what the count misses]): ``"largest"`` (the default: each capped step
+            with more input elements than any read before, the first step
+            included), ``"every"`` (every step, its peak then in
+            `StepReport.allocator_peak_bytes`) or ``"never"``. CUDA's counters
+            are read on every step whatever this says.
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.
@@ -114,7 +125,7 @@ def cap(
     Raises:
         TypeError: ``model`` is no ``nn.Module``; a budget of another type.
         ValueError: a budget that is no size; a share on CPU; a model with no
-            candidate region; an eviction order of another name.
+            candidate region; an eviction order or ``read_allocator`` of another name.
         ForgetError: the model runs under a cap or a plan already. During a step:
             a cap that cannot hold, naming the least the step needs.
 
@@ -144,6 +155,11 @@ def cap(
             f"forget: no eviction order named {eviction!r}; expected one of "
             f"{', '.join(map(repr, EVICTIONS))} (NOTE [eviction order])."
         )
+    if read_allocator not in READ_ALLOCATOR:
+        raise ValueError(
+            f"forget: read_allocator={read_allocator!r} names no choice; expected one of "
+            f"{', '.join(map(repr, READ_ALLOCATOR))} (NOTE [what the count misses])."
+        )
     _refuse_wrapped(model)
     names = [
         name
@@ -159,7 +175,7 @@ def cap(
             "that may be regions with candidates= (a name pattern such as '*.layers.*', a "
             "module type, or a list of them)."
         )
-    return Cap(model, names, budget_bytes, eviction, repeat_known_shapes)
+    return Cap(model, names, budget_bytes, eviction, repeat_known_shapes, read_allocator)
 
 
 def _with_finer(model: nn.Module, names: list[str]) -> list[str]:
@@ -230,6 +246,7 @@ class Cap:
         budget_bytes: int,
         eviction: str = "largest",
         repeat_known_shapes: bool = True,
+        read_allocator: str = "largest",
     ) -> None:
         self.model = model
         self.names = tuple(names)
@@ -245,6 +262,7 @@ class Cap:
         self._order: list[str] = []  # the regions of the latest capped step, in order
         self._learned: dict[str, tuple[int, int, bool]] = {}
         self._extra_bytes = 0
+        self._reads = Reads(read_allocator)  # NOTE [what the count misses]
         self._walks = ModuleWalks()  # NOTE [cached walks]
         wrapped: list[nn.Module] = []
         try:
@@ -271,6 +289,7 @@ class Cap:
     @property
     def last_step(self) -> StepReport | None:
         """What the cap did in the latest step (its forward so far), or ``None``."""
+        self._reads.stop(ended_only=True)
         if self._step is not None:
             return self._step.report()
         return self._history[-1] if self._history else None
@@ -278,11 +297,13 @@ class Cap:
     @property
     def steps(self) -> tuple[StepReport, ...]:
         """What it did in each step, oldest first (the latest 1000)."""
+        self._reads.stop(ended_only=True)
         latest = () if self._step is None else (self._step.report(),)
         return (*self._history, *latest)
 
     def remove(self) -> nn.Module:
         """Put the model back exactly as it was before `cap`; return it."""
+        self._reads.stop()
         for name in self.names:
             _unwrap(self.model.get_submodule(name))
         _unwrap(self.model)
@@ -295,7 +316,10 @@ class Cap:
     # -- the wrapped forwards ---------------------------------------------------
     def _close_previous(self) -> None:
         """File the step before this one, and learn from it (NOTE [the cap's count])."""
+        self._reads.stop()
         repeat, self._repeat = self._repeat, None
+        if repeat is not None and (repeat.allocator_peak_bytes or 0) > repeat.decision.estimate:
+            self._known.pop(repeat.key, None)  # NOTE [what the count misses]
         if repeat is not None and repeat.cuda is not None:
             # NOTE [steps of known shapes]: the allocator's peak of a repeated step.
             # Above its estimate, the shapes run capped again, whose own peak then
@@ -315,9 +339,11 @@ class Cap:
             if peak is None:
                 peak = torch.cuda.max_memory_allocated(previous.cuda) - previous.cuda_start
             self._extra_bytes += max(0, peak - previous.estimated_peak_bytes)
+        read = previous.allocator_peak_bytes  # NOTE [what the count misses]
         key = previous.key
         # A step that raised (a cap that cannot hold) decided nothing.
         held = previous.finished and previous.estimated_peak_bytes <= previous.budget_bytes
+        held = held and (read is None or read <= previous.budget_bytes)
         if key is not None and held:
             if not previous.evicted or key in self._seen:  # NOTE [steps of known shapes]
                 self._known[key] = _Decision(self._history[-1])
@@ -337,17 +363,41 @@ class Cap:
         )
         if step.cuda is not None:
             torch.cuda.reset_peak_memory_stats(step.cuda)
+        else:
+            self._reads.apply(step)  # NOTE [what the count misses]
         self._step = step
         return step
+
+    # -- the allocator's record (NOTE [what the count misses]) -------------------
+    def _start_record(self, target: Step | _Repeat) -> None:
+        on_stop = functools.partial(self._recorded, target)
+        record = self._reads.start(target, on_stop, isinstance(target, _Repeat))
+        if record is not None and isinstance(target, Step):
+            target.mark = record.mark
+
+    def _recorded(self, target: Step | _Repeat, reading: AllocatorReading) -> None:
+        """The record of ``target`` stopped, here or by another probe on its thread."""
+        if isinstance(target, Step):
+            peak = target.allocator_peak_bytes = self._reads.learn(target, reading)
+            if peak is not None and peak > target.estimated_peak_bytes:
+                self._known.clear()  # decided with less in reserve than they needed
+            return
+        end = reading.marks.get("end")
+        target.allocator_peak_bytes = peak = None if end is None else reading.peak(until=end)
+        if self._history and self._history[-1] is target.report:
+            self._history[-1] = target.report = dataclasses.replace(
+                target.report, allocator_peak_bytes=peak
+            )
 
     def _model_forward(
         self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        step = self._step
-        if not torch.is_grad_enabled() or in_recomputing() or (step and not step.closed):
+        step, repeat = self._step, self._repeat
+        if (step and not step.closed) or (repeat and not repeat.closed) or in_recomputing():
+            return original(*args, **kwargs)  # the model called inside its own step
+        if not torch.is_grad_enabled():
+            self._reads.stop()  # NOTE [what the count misses]: the step before is over
             return original(*args, **kwargs)
-        if self._repeat is not None and not self._repeat.closed:
-            return original(*args, **kwargs)  # the model called inside its repeated step
         self._close_previous()  # what it teaches counts for this step
         key = self._key(args, kwargs) if self.repeat_known_shapes else None
         known = self._known.get(key) if key is not None else None
@@ -356,6 +406,7 @@ class Cap:
         step = self._begin(args, kwargs)
         step.rooted = True
         step.key = key
+        self._start_record(step)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             step.saved_outside(t)
@@ -366,6 +417,9 @@ class Cap:
                 out = original(*args, **kwargs)
             step.model_returned(out)
             step.finished = True
+        except BaseException:
+            self._reads.stop()  # no backward comes: it teaches nothing
+            raise
         finally:
             step.closed = True
         return out
@@ -424,14 +478,23 @@ class Cap:
         decision: _Decision,
     ) -> Any:
         """The step as the decision for its shapes has it (NOTE [steps of known shapes])."""
-        repeat = _Repeat(key, decision, _device_of(self.model))
+        repeat = _Repeat(key, decision, _device_of(self.model), args, kwargs)
         self._repeat = repeat
         report = dataclasses.replace(decision.report, budget_bytes=self._budget_bytes)
-        self._history = [*self._history, dataclasses.replace(report, repeated=True)][-_HISTORY:]
+        repeat.report = dataclasses.replace(report, repeated=True, allocator_peak_bytes=None)
+        self._history = [*self._history, repeat.report][-_HISTORY:]
+        self._start_record(repeat)
         try:
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+        except BaseException:
+            self._reads.stop()
+            raise
         finally:
             repeat.closed = True
+        record = self._reads.record
+        if record is not None and repeat.allocator_peak_bytes is None:
+            on_backward_end(out, functools.partial(record.mark, "end"))
+        return out
 
 
 class _Decision:
@@ -449,13 +512,31 @@ class _Decision:
 
 
 class _Repeat:
-    """A step repeating a decision: its key and, on CUDA, where it began."""
+    """A step repeating a decision: its key, its report and, on CUDA, where it began."""
 
-    __slots__ = ("closed", "cuda", "decision", "key", "start")
+    __slots__ = (
+        "allocator_peak_bytes",
+        "closed",
+        "cuda",
+        "decision",
+        "input_elements",
+        "key",
+        "report",
+        "start",
+    )
 
-    def __init__(self, key: tuple[Any, ...], decision: _Decision, device: torch.device) -> None:
-        self.key, self.decision = key, decision
+    def __init__(
+        self,
+        key: tuple[Any, ...],
+        decision: _Decision,
+        device: torch.device,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.key, self.decision, self.report = key, decision, decision.report
         self.closed = False
+        self.allocator_peak_bytes: int | None = None
+        self.input_elements = sum([t.numel() for t in tensors_in((args, kwargs))])
         self.cuda = device if device.type == "cuda" else None
         self.start = 0
         if self.cuda is not None:

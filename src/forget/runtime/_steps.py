@@ -94,10 +94,10 @@ measured (benchmarks/measured.md, "eviction orders").
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -106,63 +106,13 @@ from torch import nn
 from ..engine import DroppableRegion, ModuleWalks, StorageKey, storage_key, storage_keys, storage_of
 from ..errors import ForgetError
 from ._grads import gradients_by_entry
+from ._orders import EVICTIONS
+from ._report import StepReport
 
-__all__ = ["EVICTIONS", "Step", "StepReport", "tensors_in"]
+__all__ = ["EVICTIONS", "Step", "on_backward_end", "tensors_in"]
 
 # How many regions ahead the forward's reserve looks, in the last step's order.
 _AHEAD = 3
-
-
-def _dtr(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
-    return freed_bytes * staleness / max(cost_s, 1e-9)
-
-
-def _largest(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
-    return freed_bytes
-
-
-def _first_run(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
-    return -index
-
-
-def _cheapest_per_byte(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:
-    return freed_bytes / max(cost_s, 1e-9)
-
-
-#: Eviction orders by name (NOTE [eviction order]): each scores an evictable region
-#: from the bytes evicting it frees, its staleness in region boundaries, its forward
-#: time and its position in the forward; the highest score goes first, the earliest
-#: region on a tie.
-EVICTIONS: dict[str, Callable[[int, int, float, int], float]] = {
-    "largest": _largest,
-    "dtr": _dtr,
-    "first_run": _first_run,
-    "cheapest_per_byte": _cheapest_per_byte,
-}
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What a cap did in one step.
-
-    Attributes:
-        regions: the candidate regions the step ran, in forward order.
-        evicted: those evicted (re-run in backward), in eviction order.
-        estimated_peak_bytes: the largest estimate of the step's peak at a region
-            boundary, after evictions (NOTE [the cap's count]).
-        budget_bytes: the cap in force.
-        evicted_forward_s: the forward time of the evicted regions as the step
-            measured it (a region's includes the regions inside it): about what
-            their re-runs in backward cost.
-        repeated: the decision of a step of its shapes repeated (NOTE [steps of known shapes]).
-    """
-
-    regions: tuple[str, ...]
-    evicted: tuple[str, ...]
-    estimated_peak_bytes: int
-    budget_bytes: int
-    evicted_forward_s: float = 0.0
-    repeated: bool = False
 
 
 class _Entry:
@@ -173,6 +123,7 @@ class _Entry:
         "cost_s",
         "done",
         "end",
+        "grad_fn",
         "index",
         "inputs",
         "keys",
@@ -201,6 +152,7 @@ class _Entry:
         self.index = self.last = 0
         self.largest = self.out = 0
         self.done = False
+        self.grad_fn: Any = None  # what backward runs first of it (its output's grad_fn)
         # Storage key -> how often it is among the region's tensor inputs.
         self.inputs: dict[StorageKey, int] = {}
         # What its re-run makes: its held bytes less its inputs (read, not made again).
@@ -277,6 +229,18 @@ class Step:
         self.cuda_start = torch.cuda.memory_allocated(self.cuda) if self.cuda is not None else 0
         # The allocator's peak when the backward ended (NOTE [the cap's count]); CUDA only.
         self.backward_peak_bytes: int | None = None
+        # NOTE [what the count misses]: on CPU, the allocator's record's peak, what marks
+        # instants in it, the model's own figures to set against it (its terms in
+        # backward by entry, past the last region, and in the forward, each without
+        # what the records taught), and what they taught: per region (hard, soft), and
+        # of extra_bytes, the soft part (extrapolated to a shape no record read).
+        self.allocator_peak_bytes: int | None = None
+        self.mark: Callable[[str], None] | None = None
+        self.terms: dict[int, int] = {}
+        self.outside_term = self.forward_term = 0
+        self.workspace: dict[str, tuple[int, int]] = {}
+        self.soft_bytes = 0
+        self._soft = True
         # NOTE [the cap's count]: buffers as they were, put back if the cap cannot hold.
         self._buffers = [(b, b.detach().clone()) for b in buffers]
         for _, copy in self._buffers:
@@ -365,7 +329,9 @@ class Step:
         entry.last = len(self.entries) - 1
         entry.largest = max(sizes, default=0)
         entry.out = _tensor_bytes(out)
-        self._outputs += [weakref.ref(t) for t in tensors_in(out)]
+        outputs = tensors_in(out)
+        self._outputs += [weakref.ref(t) for t in outputs]
+        entry.grad_fn = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
         self.largest_bytes = max(self.largest_bytes, entry.largest)
         self.learned[entry.name] = (entry.size, self.input_elements, entry.leaf)
         # A region run without the model's forward: any boundary may be the last.
@@ -377,18 +343,24 @@ class Step:
         self.model_output_bytes = 0 if loss_inside else _tensor_bytes(out)
         self.settle("the end of the model's forward", last=True)
         self.closed = True
-        if self.cuda is None:  # on CPU nothing is read when backward ends
-            return
-        grad = next((t for t in tensors_in(out) if t.requires_grad), None)
-        if grad is not None:
-            grad.register_hook(self._backward_started)
-
-    def _backward_started(self, _: torch.Tensor) -> None:
-        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
-        engine.queue_callback(self._backward_done)
+        if self.mark is not None:  # NOTE [what the count misses]
+            if self._new_grads and self.cuda is None:
+                self._backward(self.now_bytes, refine=True)  # the terms to set against
+            self.mark("forward")
+            for entry in self.entries:
+                if entry.leaf and entry.grad_fn is not None:  # where its backward begins
+                    entry.grad_fn.register_prehook(
+                        functools.partial(_mark_region, self.mark, entry.index)
+                    )
+        if self.cuda is not None or self.mark is not None:
+            on_backward_end(out, self._backward_done)
 
     def _backward_done(self) -> None:
         """Backward has ended (NOTE [the cap's count]): read the step's allocator peak."""
+        if self.mark is not None:
+            self.mark("end")
+        if self.cuda is None:
+            return
         peak = torch.cuda.max_memory_allocated(self.cuda) - self.cuda_start
         self.backward_peak_bytes = max(peak, self.backward_peak_bytes or 0)
 
@@ -396,7 +368,10 @@ class Step:
     def _forward_reserve(self) -> int:
         """What the next region's forward may add (NOTE [the cap's count]): its held
         bytes, and the largest storage once more, made and not (yet) saved."""
-        return self._next_bytes() + self.largest_bytes + self.extra_bytes
+        return self._next_bytes() + self.largest_bytes + self._extra()
+
+    def _extra(self) -> int:
+        return self.extra_bytes - (0 if self._soft else self.soft_bytes)
 
     def _backward(self, now: int, refine: bool = False) -> tuple[int, int]:
         """Backward's estimated peak, and the entry (index) where it falls.
@@ -420,8 +395,10 @@ class Step:
                 else:
                     first = min([e.released.get(key, e.index) for e in holders])
                 owned[first] += live[key][0]
-        outside = max(0, now - sum(owned)) + self.model_output_bytes + self.extra_bytes
+        outside = max(0, now - sum(owned)) + self.model_output_bytes
         # Past the last region, backward holds every gradient (NOTE [gradients as they come]).
+        self.outside_term = outside + self.gradient_bytes
+        outside += self._extra()
         peak, where = outside + self.gradient_bytes, -1
         if refine:
             always, later = self._gradients_by_entry()
@@ -448,6 +425,9 @@ class Step:
                     )
                 outer = outer.parent
             term = fixed + later[i] + running + rebuilt + 2 * max(entry.largest, entry.out)
+            hard, soft = self.workspace.get(entry.name, (0, 0))
+            self.terms[i] = term - self._extra()  # NOTE [what the count misses]
+            term += hard + (soft if self._soft else 0)
             if term > peak:
                 peak, where = term, i
         return peak, where
@@ -507,6 +487,12 @@ class Step:
         estimate = self.estimate_bytes(last)
         while estimate > self.budget_bytes:
             victim = self._pick(last)
+            if victim is None and self._soft and (self.soft_bytes or self.workspace):
+                self._soft = False  # NOTE [what the count misses]: refused on what was read
+                fits = self.estimate_bytes(last) <= self.budget_bytes
+                self._soft = True
+                if fits:
+                    break
             if victim is None:
                 self._put_back_buffers()
                 raise ForgetError(
@@ -520,6 +506,8 @@ class Step:
             self._evict(victim)
             estimate = self.estimate_bytes(last)
         self.estimated_peak_bytes = max(self.estimated_peak_bytes, estimate)
+        if not last:  # NOTE [what the count misses]: what the forward expects to hold
+            self.forward_term = max(self.forward_term, estimate - self._extra())
 
     def _evictable(self) -> Iterator[_Entry]:
         for entry in self.entries:
@@ -570,7 +558,21 @@ class Step:
             estimated_peak_bytes=self.estimated_peak_bytes,
             budget_bytes=self.budget_bytes,
             evicted_forward_s=self.evicted_forward_s,
+            allocator_peak_bytes=self.allocator_peak_bytes,
         )
+
+
+def _mark_region(mark: Callable[[str], None], index: int, _: Any) -> None:
+    mark(str(index))
+
+
+def on_backward_end(out: Any, callback: Callable[[], None]) -> None:
+    """Call ``callback`` as the backward through ``out`` (its first tensor that requires
+    grad) ends: a hook on it queues the callback on autograd's engine."""
+    grad = next((t for t in tensors_in(out) if t.requires_grad), None)
+    if grad is not None:
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        grad.register_hook(lambda _: engine.queue_callback(callback))
 
 
 def _find_released(entry: _Entry, region: DroppableRegion) -> None:
