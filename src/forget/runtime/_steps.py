@@ -52,7 +52,8 @@ estimate is added to the next steps' reserve, which so learns what the model
 missed. It is read as the step's backward ends (a hook on the model's output
 queues it on autograd's engine), not at the next step's start: an optimizer's
 state made between (Adam's, on the first step) is not the step's. A step
-whose backward never comes is read at the next step's start.
+whose backward never comes is read at the next step's start. On CPU some steps
+read the allocator's own record instead (NOTE [what the count misses]).
 
 While the estimate passes the cap, regions are evicted (NOTE [eviction order]);
 when no region is left to evict, the cap cannot hold and the step stops with a
