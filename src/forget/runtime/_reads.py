@@ -148,13 +148,7 @@ class Reads:
             reading.peak(forward, first) - max(head, step.outside_term),
             0,
         )
-        peak = reading.peak(until=end)
-        before = self._flat.get(elements, 0)
-        # A step above its estimate adds its miss at least, as on CUDA: the next converges.
-        missed = (
-            before + peak - step.estimated_peak_bytes if peak > step.estimated_peak_bytes else 0
-        )
-        self._flat[elements] = max(before, flat, missed)
+        self._flat[elements] = max(self._flat.get(elements, 0), flat)
         bounds = [t for t, _ in starts[1:]] + [end]
         for (since, name), until in zip(starts, bounds, strict=True):
             index = int(name)
@@ -163,6 +157,7 @@ class Reads:
                 table = self._regions[step.entries[index].name]
                 excess = reading.peak(since, until) - term
                 table[elements] = max(table.get(elements, 0), excess, 0)
+        peak = reading.peak(until=end)
         if peak > step.budget_bytes:
             self._over.add(elements)
         else:
