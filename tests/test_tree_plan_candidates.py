@@ -115,6 +115,50 @@ def test_default_candidates_are_repeated_blocks_the_modules_above_and_their_stem
     assert "resnet.encoder.stages.1.layers.1.layer.0.convolution" not in found
 
 
+class _Res(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Linear(width, width), nn.GELU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x)
+
+
+class _Level(nn.Module):
+    """A UNet's level: its residual blocks in a ModuleList, one at the down levels."""
+
+    def __init__(self, width: int, blocks: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([_Res(width) for _ in range(blocks)])
+        self.sample = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.resnets:
+            x = block(x)
+        return self.sample(x)
+
+
+class _UNetLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.ModuleList([_Level(8, 1), nn.Sequential(_Res(8), nn.Linear(8, 8))])
+        self.up = nn.ModuleList([_Level(8, 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for level in (*self.down, *self.up):
+            x = level(x)
+        return x
+
+
+def test_a_block_type_repeated_over_modulelists_is_a_candidate_in_each():
+    # The down level's single residual block shares its type with the up level's two
+    # (all in ModuleLists): each is a candidate, and its level above it. In a
+    # Sequential a block one of a kind among its siblings is none.
+    found = find_candidates(_UNetLike())
+    assert {"down.0", "down.0.resnets.0", "up.0", "up.0.resnets.0", "up.0.resnets.1"} <= set(found)
+    assert "down.1.0" not in found
+
+
 def test_candidates_restrict_by_name_pattern_or_type():
     model, inputs = _net()
     planner = TreePlanner(model, (), inputs, candidates="encoder.layers.*", repeats=1)

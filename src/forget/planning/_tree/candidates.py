@@ -5,8 +5,10 @@ module (each Linear, each norm) gives the solver thousands of nodes whose
 regions cost more in fixed overhead than they free. By default the
 candidates are the repeated blocks and the subtrees above them: the children
 of an ``nn.ModuleList`` or ``nn.Sequential`` that have submodules and share
-their type with a sibling (decoder layers, encoder layers, a ResNet stage's
-blocks, the stages themselves), the stack itself where it runs (an
+their type with a sibling, or, in a ModuleList, with a child of another
+ModuleList (decoder layers, encoder layers, a ResNet stage's blocks, the
+stages themselves; a UNet's down blocks, one residual block each in a
+ModuleList, whose type the up blocks repeat), the stack itself where it runs (an
 ``nn.Sequential``), every module above a stack short of the model itself
 (the stack's owner, an encoder, the base model), and the children with
 parameters of those modules and of the model: the stems and heads beside the
@@ -30,6 +32,7 @@ would have been kept until (NOTE [the last segment]).
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -97,13 +100,25 @@ def _default_candidates(model: nn.Module) -> set[str]:
     """Repeated blocks, runnable stacks, the modules above a stack and their stems and heads."""
     found: set[str] = set()
     above: set[str] = set()
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList | nn.Sequential):
-            continue
+    stacks = [
         # Blocks have submodules: two Linears of an MLP's Sequential are no stack.
-        children = [(n, c) for n, c in module.named_children() if next(c.children(), None)]
-        kinds = [type(child) for _, child in children]
-        repeated = [c for c, kind in zip(children, kinds, strict=True) if kinds.count(kind) > 1]
+        (name, module, [(n, c) for n, c in module.named_children() if next(c.children(), None)])
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList | nn.Sequential)
+    ]
+    # A block in a ModuleList counts with those of every ModuleList (a UNet's down
+    # blocks hold one residual block each); in a Sequential, with its siblings only
+    # (a sequence of different layers, one of a kind in it, is no stack of blocks).
+    lists = Counter(
+        type(child)
+        for _, module, children in stacks
+        if isinstance(module, nn.ModuleList)
+        for _, child in children
+    )
+    for name, module, children in stacks:
+        siblings = Counter(type(child) for _, child in children)
+        kinds = lists if isinstance(module, nn.ModuleList) else siblings
+        repeated = [(n, c) for n, c in children if max(kinds[type(c)], siblings[type(c)]) > 1]
         if not repeated:
             continue
         prefix = f"{name}." if name else ""
