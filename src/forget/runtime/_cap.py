@@ -113,9 +113,10 @@ def cap(
             its values.
         read_allocator: on CPU, which steps read the allocator's own record, to learn
             what the cap's count of tensors misses (kernels' own buffers: NOTE
-            [what the count misses]): ``"largest"`` (the default: each capped step
-            with more input elements than any read before, the first step
-            included), ``"every"`` (every step, its peak then in
+            [what the count misses]): ``"largest"`` (the default: the first capped
+            step, each with more input elements than any read before, and the
+            next of a size whose read passed the cap), ``"every"`` (every step,
+            its peak then in
             `StepReport.allocator_peak_bytes`) or ``"never"``. CUDA's counters
             are read on every step whatever this says.
 
@@ -478,12 +479,14 @@ class Cap:
         decision: _Decision,
     ) -> Any:
         """The step as the decision for its shapes has it (NOTE [steps of known shapes])."""
-        repeat = _Repeat(key, decision, _device_of(self.model), args, kwargs)
+        repeat = _Repeat(key, decision, _device_of(self.model))
         self._repeat = repeat
         report = dataclasses.replace(decision.report, budget_bytes=self._budget_bytes)
         repeat.report = dataclasses.replace(report, repeated=True, allocator_peak_bytes=None)
         self._history = [*self._history, repeat.report][-_HISTORY:]
-        self._start_record(repeat)
+        if self._reads.when == "every":  # NOTE [what the count misses]
+            repeat.input_elements = sum([t.numel() for t in tensors_in((args, kwargs))])
+            self._start_record(repeat)
         try:
             out = original(*args, **kwargs)
         except BaseException:
@@ -525,18 +528,11 @@ class _Repeat:
         "start",
     )
 
-    def __init__(
-        self,
-        key: tuple[Any, ...],
-        decision: _Decision,
-        device: torch.device,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
+    def __init__(self, key: tuple[Any, ...], decision: _Decision, device: torch.device) -> None:
         self.key, self.decision, self.report = key, decision, decision.report
         self.closed = False
         self.allocator_peak_bytes: int | None = None
-        self.input_elements = sum([t.numel() for t in tensors_in((args, kwargs))])
+        self.input_elements = 0  # counted where the step may be read
         self.cuda = device if device.type == "cuda" else None
         self.start = 0
         if self.cuda is not None:
