@@ -1,43 +1,32 @@
 """What a cap on CPU learns from the allocator's own record of a step.
 
 NOTE [what the count misses]: on CPU the cap counts tensor storages (NOTE [the
-cap's count]); what a kernel allocates for itself is no tensor an op returns
-or autograd saves, and the count misses it. oneDNN's convolutions are the large
-case: timm's ConvNeXt-Atto at 64 px, batch 4, peaks at 33,818,168 B by the
-allocator and 21,093,704 B by the ledger, and a cap at 75 % of its plain peak
-passed itself by 34 % with nothing evicted (benchmarks/measured.md). CUDA's
-counters are read at every step for free; on CPU the one record of the
-allocator is torch's profiler (`forget.memory.AllocatorRecord`), which costs
-a step's time, so the cap reads it on some steps only (``read_allocator``):
-by default the first capped step, each capped step with more input elements
-than any read before (a read step's excess covers every smaller step) and the
-next capped step of a size whose read passed the cap (until one holds), or on
-every step, or never. A read step runs from its model's forward to the end of
-its backward with the record open; marks note the forward's end, the start of
-each region's backward (a hook on its output's gradient) and backward's end.
-Each span's allocator peak, set against the model's own figure for it (the
-forward's estimate; past the last region; each region's term in backward,
-NOTE [the cap's count]), gives what the count missed there: per region, added
-to its term from then on, so that a kernel's buffers weigh where they arise
-(set against the whole step's peak instead, a ConvNeXt at batch 8 with every
-region evicted was refused at 75 %, needing 34 MB where the plan fits 26 MB);
-outside the regions, added to every figure. Each is learned per input size:
-a step no larger than one read takes the largest excess read at or above its
-size; a larger one the excess of the largest read, scaled by the sizes' ratio.
-The scaled part is soft: it makes the step evict, but a step is refused (the
-cap cannot hold) only on what was read, and a larger step is read anyway.
+cap's count]); what a kernel allocates for itself (oneDNN's convolutions) is
+no tensor, and the count misses it. CUDA's counters are read at every step for
+free; on CPU the allocator's one record is torch's profiler
+(`forget.memory.AllocatorRecord`), which costs time, so only some steps are
+read (``read_allocator``): by default the first capped step, each larger than
+any read before, and the next of a size whose read passed the cap. A read
+step's record runs from its forward to the end of its backward, with marks at
+the forward's end, at each region's first backward node and at backward's
+end. Each span's peak, less the model's own figure for it (the forward's
+estimate; each region's term in backward; the term of the region backward
+meets first, for the span before it), is what the count missed there: per
+region it is added to that region's term, so that a kernel's buffers weigh
+where they arise (one reserve for the whole step refused steps the plan fits);
+outside the regions, to every figure. Each is learned per input size: a step
+takes the largest excess read at or above its size, or, larger than any read,
+the largest size's excess scaled by the sizes' ratio; the scaled part is soft,
+making the step evict but never refusing it (that step is read anyway).
 
-The record must stop on its thread and outside autograd's engine (which puts
-the profiler's state back after each hook and callback): it stops at the
-model's next forward, at the next optimizer step (a hook on every optimizer's
-step), when the handle's reports are read, at `Cap.remove`, or at forget's next
-allocator probe on the thread. Until then torch's profiler is busy on that
-thread: start your own after one of those, or pass ``read_allocator="never"``.
-Where a profiler runs already (yours), the cap reads nothing.
-
-What it leaves: the first step of a cap, with nothing read yet, counts tensors
-alone and may pass the cap by what its kernels allocate (ConvNeXt-Atto: 1.04
-of a 75 % cap), as a CUDA cap's first step may.
+The record stops on its thread, outside autograd's engine (which puts the
+profiler's state back after each hook and callback): at the model's next
+forward, the next optimizer step (a hook on every optimizer's step), a read of
+the handle's reports, `Cap.remove`, or forget's next allocator probe. Until
+then torch's profiler is busy on that thread; where one runs already (yours),
+the step is not read. The first step of a cap, nothing read yet, may pass the
+cap by its kernels' buffers, as a CUDA cap's first step may. Figures:
+benchmarks/measured.md, "What the count misses".
 """
 
 from __future__ import annotations
