@@ -7,11 +7,14 @@ the allocator's, by ``forget.measure(..., probe="profiler")``.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
 
 import forget
+from forget.engine import Region
 from forget.memory import AllocatorRecord, allocator_peak
 
 
@@ -100,6 +103,15 @@ def test_a_cap_that_cannot_hold_for_what_it_read_refuses_and_reads_a_size_until_
         _step(net, 1024)  # a quarter of the scratch alone passes it
     # The record of the refused step is stopped: torch's profiler is free.
     assert allocator_peak(lambda: torch.ones(1000)) == 4000
+    # Its regions go with the model: the read step's hold on its backward nodes, cut
+    # short, would have kept its graph alive in a cycle the collector cannot see.
+    del net, handle
+    gc.unfreeze()  # conftest freezes what each test finds alive
+    gc.collect()
+    try:
+        assert not any(issubclass(type(o), Region) for o in gc.get_objects())
+    finally:
+        gc.freeze()
 
 
 def test_every_step_read_on_request_and_its_figure_the_allocator_peak(budget):

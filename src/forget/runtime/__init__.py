@@ -5,7 +5,8 @@
 - `_steps`: one step's count of bytes and its evictions (NOTE [the cap's count],
   NOTE [eviction order]).
 - `_report`: `StepReport`, what the cap did in one step; `_orders`: the eviction
-  orders by name.
+  orders by name; `_reads`: what a step read from the allocator teaches (NOTE
+  [what the count misses]); `_outputs`: the tensors of a step's inputs and outputs.
 
 The regions themselves are the engine's (`forget.engine.DroppableRegion`). Other
 packages import the names below, never the underscore modules.

@@ -62,9 +62,10 @@ from ..errors import ForgetError
 from ..memory import AllocatorReading
 from ..planning import find_candidates, is_wrapped
 from ..schedules import parse_budget
+from ._outputs import on_backward_end, tensors_in
 from ._reads import READ_ALLOCATOR, Reads
 from ._report import StepReport
-from ._steps import EVICTIONS, Step, on_backward_end, tensors_in
+from ._steps import EVICTIONS, Step
 
 __all__ = ["Cap", "cap"]
 
@@ -419,6 +420,7 @@ class Cap:
             step.model_returned(out)
             step.finished = True
         except BaseException:
+            step.release_nodes()
             self._reads.stop()  # no backward comes: it teaches nothing
             raise
         finally:

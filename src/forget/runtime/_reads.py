@@ -31,8 +31,8 @@ benchmarks/measured.md, "What the count misses".
 
 from __future__ import annotations
 
-import functools
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -64,7 +64,7 @@ class Reads:
         self.when = when
         self.record: AllocatorRecord | None = None
         self._thread = 0
-        self._hook: Any = None
+        self._on_stop: Callable[[AllocatorReading], None] | None = None
         # input elements -> bytes the count missed: outside the regions, per region.
         self._flat: dict[int, int] = {}
         self._regions: defaultdict[str, dict[int, int]] = defaultdict(dict)
@@ -82,20 +82,20 @@ class Reads:
             repeated or (elements <= self._most and elements not in self._over)
         ):
             return None
-        record = AllocatorRecord(functools.partial(self._stopped, on_stop))
+        # The record and the optimizer's hook reach this object weakly: a record left
+        # open by a cap no longer used holds neither it nor its step's graph.
+        link = _Link(self)
+        record = AllocatorRecord(link.stopped)
         try:
             started = record.start()
         except (AttributeError, TypeError):  # pragma: no cover - another torch
             return None
         if not started:
             return None  # a profiler runs already (the user's): nothing is read
-        self.record, self._thread = record, threading.get_ident()
+        self.record, self._thread, self._on_stop = record, threading.get_ident(), on_stop
         self._most = max(self._most, elements)
-        self._hook = register_optimizer_step_pre_hook(self._optimizer_step)
+        link.hook = register_optimizer_step_pre_hook(link.optimizer_step)
         return record
-
-    def _optimizer_step(self, *_: Any) -> None:
-        self.stop(ended_only=True)
 
     def stop(self, *, ended_only: bool = False) -> None:
         """Stop the open record (only where its backward has ended, with ``ended_only``)."""
@@ -103,14 +103,13 @@ class Reads:
         if record is None or (ended_only and "end" not in record.marks):
             return
         if threading.get_ident() == self._thread:  # torch's profiler runs per thread
-            record.stop()  # `_stopped` hears it
+            record.stop()  # `stopped` hears it, through the link
 
-    def _stopped(self, on_stop: Callable[[AllocatorReading], None], reading: Any) -> None:
-        self.record = None
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        on_stop(reading)
+    def stopped(self, reading: AllocatorReading) -> None:
+        """The open record stopped (here or by another probe on its thread): tell the cap."""
+        on_stop, self._on_stop, self.record = self._on_stop, None, None
+        if on_stop is not None:
+            on_stop(reading)
 
     def apply(self, step: Step) -> None:
         """Give ``step`` what the records taught, for its input size."""
@@ -152,6 +151,27 @@ class Reads:
         else:
             self._over.discard(elements)
         return peak
+
+
+class _Link:
+    """What a record and the optimizer's hook hold of `Reads`: a weak reference."""
+
+    def __init__(self, reads: Reads) -> None:
+        self.reads = weakref.ref(reads)
+        self.hook: Any = None
+
+    def optimizer_step(self, *_: Any) -> None:
+        reads = self.reads()
+        if reads is not None:
+            reads.stop(ended_only=True)
+
+    def stopped(self, reading: AllocatorReading) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        reads = self.reads()
+        if reads is not None:
+            reads.stopped(reading)
 
 
 def _scaled(table: dict[int, int], elements: int) -> tuple[int, int]:

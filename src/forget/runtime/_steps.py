@@ -108,9 +108,10 @@ from ..engine import DroppableRegion, ModuleWalks, StorageKey, storage_key, stor
 from ..errors import ForgetError
 from ._grads import gradients_by_entry
 from ._orders import EVICTIONS
+from ._outputs import on_backward_end, tensor_bytes, tensors_in
 from ._report import StepReport
 
-__all__ = ["EVICTIONS", "Step", "on_backward_end", "tensors_in"]
+__all__ = ["EVICTIONS", "Step"]
 
 # How many regions ahead the forward's reserve looks, in the last step's order.
 _AHEAD = 3
@@ -329,10 +330,11 @@ class Step:
         entry.leaf = not entry.children
         entry.last = len(self.entries) - 1
         entry.largest = max(sizes, default=0)
-        entry.out = _tensor_bytes(out)
+        entry.out = tensor_bytes(out)
         outputs = tensors_in(out)
         self._outputs += [weakref.ref(t) for t in outputs]
-        entry.grad_fn = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
+        if self.mark is not None:  # NOTE [what the count misses]; let go once marked
+            entry.grad_fn = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
         self.largest_bytes = max(self.largest_bytes, entry.largest)
         self.learned[entry.name] = (entry.size, self.input_elements, entry.leaf)
         # A region run without the model's forward: any boundary may be the last.
@@ -341,7 +343,7 @@ class Step:
     def model_returned(self, out: Any) -> None:
         # NOTE [the cap's count]: a loss the model returns was counted as it ran.
         loss_inside = any(t.dim() == 0 and t.requires_grad for t in tensors_in(out))
-        self.model_output_bytes = 0 if loss_inside else _tensor_bytes(out)
+        self.model_output_bytes = 0 if loss_inside else tensor_bytes(out)
         self.settle("the end of the model's forward", last=True)
         self.closed = True
         if self.mark is not None:  # NOTE [what the count misses]
@@ -353,8 +355,15 @@ class Step:
                     entry.grad_fn.register_prehook(
                         functools.partial(_mark_region, self.mark, entry.index)
                     )
+            self.release_nodes()
         if self.cuda is not None or self.mark is not None:
             on_backward_end(out, self._backward_done)
+
+    def release_nodes(self) -> None:
+        """Let go of the regions' backward nodes: held here, they would hold the graph, in a
+        cycle through its saved tensors' hooks that the garbage collector cannot see."""
+        for entry in self.entries:
+            entry.grad_fn = None
 
     def _backward_done(self) -> None:
         """Backward has ended (NOTE [the cap's count]): read the step's allocator peak."""
@@ -567,15 +576,6 @@ def _mark_region(mark: Callable[[str], None], index: int, _: Any) -> None:
     mark(str(index))
 
 
-def on_backward_end(out: Any, callback: Callable[[], None]) -> None:
-    """Call ``callback`` as the backward through ``out`` (its first tensor that requires
-    grad) ends: a hook on it queues the callback on autograd's engine."""
-    grad = next((t for t in tensors_in(out) if t.requires_grad), None)
-    if grad is not None:
-        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
-        grad.register_hook(lambda _: engine.queue_callback(callback))
-
-
 def _find_released(entry: _Entry, region: DroppableRegion) -> None:
     """Mark the held storages that backward lets go with an inner region, not with ``entry``.
 
@@ -593,27 +593,3 @@ def _find_released(entry: _Entry, region: DroppableRegion) -> None:
 def _dropped(entry: _Entry) -> bool:
     region = entry.ref() if entry.ref is not None else None
     return region is None or region.dropped
-
-
-def tensors_in(tree: Any) -> list[torch.Tensor]:
-    """The tensors in ``tree``: tuples, lists and dicts walked (a Hugging Face
-    ``ModelOutput`` is a dict)."""
-    found, todo = [], [tree]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, tuple | list):
-            todo.extend(item)
-        elif isinstance(item, dict):
-            todo.extend(item.values())
-    return found
-
-
-def _tensor_bytes(out: Any) -> int:
-    """Bytes of the distinct storages of the tensors in ``out``."""
-    seen: dict[StorageKey, int] = {}
-    for t in tensors_in(out):
-        if (s := storage_of(t)) is not None:
-            seen[storage_key(t)] = s.nbytes()
-    return sum(seen.values())
