@@ -264,7 +264,9 @@ def child(call: str, name: str, quick: bool, budget_bytes: int, path: str) -> di
         # bound, not the least (NOTE [planning within the budget]); the planner
         # measures the least where asked (NOTE [least on demand]).
         before = _reset()
-        least = forget.planning.TreePlanner(model, (), batch).least()
+        from forget.planning import TreePlanner
+
+        least = TreePlanner(model, (), batch).least()
         return {**_rise(before), "min_feasible_bytes": least}
     if call == "plan":
         before = _reset()
