@@ -198,6 +198,10 @@ def test_an_allocator_record_reads_the_peak_between_its_marks():
     second.stop()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert not AllocatorRecord().start()  # a profiler not forget's: nothing started
+    # A probe inside `allocator_peak` does not stop its record (which would read a
+    # part of the call): it finds the profiler busy.
+    with pytest.raises(RuntimeError, match="profiler runs already"):
+        allocator_peak(lambda: allocator_peak(lambda: torch.ones(10)))
 
 
 def test_read_allocator_of_another_name_is_refused():

@@ -227,7 +227,7 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     events to walk (benchmarks/measured.md). Where torch's profiler cannot be
     started that way, the full probe runs.
     """
-    record = AllocatorRecord()
+    record = AllocatorRecord(lingers=False)
     try:
         started = record.start()
     except (AttributeError, TypeError):  # pragma: no cover - another torch
@@ -257,8 +257,10 @@ class AllocatorRecord:
     thread: where one runs already `start` records nothing and says so, and `stop`
     must come on the thread `start` ran on, from no autograd hook or callback (the
     engine puts its thread's profiler state back after each). A record left open
-    is stopped by forget's next allocator probe on its thread (`stop_open_record`):
-    ``on_stop`` hears the reading either way.
+    past its caller's code (``lingers``, as a cap's) is stopped by forget's next
+    allocator probe on its thread (`stop_open_record`): ``on_stop`` hears the
+    reading either way. One that does not linger (`allocator_peak`'s) is not:
+    a probe inside it finds torch's profiler busy, as it would find a user's.
 
     NOTE [records within a measure]: a record started while ``measure(...,
     probe="profiler")`` runs on its thread cannot start a profiler of its own; it
@@ -268,12 +270,16 @@ class AllocatorRecord:
 
     Args:
         on_stop: called with the reading when the record stops.
+        lingers: whether forget's next allocator probe on the thread may stop it.
     """
 
     MARK = "forget::mark "
 
-    def __init__(self, on_stop: Callable[[AllocatorReading], None] | None = None) -> None:
+    def __init__(
+        self, on_stop: Callable[[AllocatorReading], None] | None = None, *, lingers: bool = True
+    ) -> None:
         self.running = self.borrowed = False
+        self.lingers = lingers
         self.marks: set[str] = set()
         self.on_stop = on_stop
 
@@ -384,10 +390,10 @@ _WAITING: dict[int, list[AllocatorRecord]] = {}
 
 
 def stop_open_record() -> None:
-    """Stop the `AllocatorRecord` left open on this thread, if any: torch's profiler
-    runs once per thread, and forget's probes need it."""
+    """Stop the `AllocatorRecord` left open on this thread (one that lingers), if any:
+    torch's profiler runs once per thread, and forget's probes need it."""
     record = _OPEN.get(threading.get_ident())
-    if record is not None:
+    if record is not None and record.lingers:
         record.stop()
 
 
