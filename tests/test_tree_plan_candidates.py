@@ -157,6 +157,12 @@ def test_a_block_type_repeated_over_modulelists_is_a_candidate_in_each():
     found = find_candidates(_UNetLike())
     assert {"down.0", "down.0.resnets.0", "up.0", "up.0.resnets.0", "up.0.resnets.1"} <= set(found)
     assert "down.1.0" not in found
+    # Inside a repeated block, a ModuleList's children count with their siblings only
+    # (a T5 block's sublayers, each one of a kind in its block, are no candidates).
+    t5_like = nn.ModuleList([_Level(8, 1) for _ in range(2)])
+    found = find_candidates(nn.Sequential(t5_like))
+    assert {"0.0", "0.1"} <= set(found)
+    assert not any(name.startswith("0.0.resnets.") for name in found)
 
 
 def test_candidates_restrict_by_name_pattern_or_type():

@@ -5,10 +5,11 @@ module (each Linear, each norm) gives the solver thousands of nodes whose
 regions cost more in fixed overhead than they free. By default the
 candidates are the repeated blocks and the subtrees above them: the children
 of an ``nn.ModuleList`` or ``nn.Sequential`` that have submodules and share
-their type with a sibling, or, in a ModuleList, with a child of another
-ModuleList (decoder layers, encoder layers, a ResNet stage's blocks, the
-stages themselves; a UNet's down blocks, one residual block each in a
-ModuleList, whose type the up blocks repeat), the stack itself where it runs (an
+their type with a sibling, or, in a ModuleList inside no such block, with a
+child of another such ModuleList (decoder layers, encoder layers, a ResNet
+stage's blocks, the stages themselves; a UNet's down blocks, one residual
+block each, whose type the up blocks repeat; not a T5 block's sublayers),
+the stack itself where it runs (an
 ``nn.Sequential``), every module above a stack short of the model itself
 (the stack's owner, an encoder, the base model), and the children with
 parameters of those modules and of the model: the stems and heads beside the
@@ -106,22 +107,32 @@ def _default_candidates(model: nn.Module) -> set[str]:
         for name, module in model.named_modules()
         if isinstance(module, nn.ModuleList | nn.Sequential)
     ]
-    # A block in a ModuleList counts with those of every ModuleList (a UNet's down
-    # blocks hold one residual block each); in a Sequential, with its siblings only
-    # (a sequence of different layers, one of a kind in it, is no stack of blocks).
-    lists = Counter(
-        type(child)
-        for _, module, children in stacks
-        if isinstance(module, nn.ModuleList)
-        for _, child in children
-    )
+    # A block repeats among its siblings; or, in a ModuleList outside every such
+    # block, with the children of every such ModuleList (a UNet's down blocks hold
+    # one residual block each, the up blocks more). Inside a repeated block (a T5
+    # block's sublayers) and in a Sequential (a sequence of different layers) only
+    # siblings count: regions within the blocks multiply them for little.
+    repeated_among_siblings = {
+        f"{name}.{n}" if name else n
+        for name, _, children in stacks
+        for n, c in children
+        if sum(type(o) is type(c) for _, o in children) > 1
+    }
+
+    def free(name: str) -> bool:
+        return not any(name == r or name.startswith(f"{r}.") for r in repeated_among_siblings)
+
+    lists = [name for name, module, _ in stacks if isinstance(module, nn.ModuleList) and free(name)]
+    kinds = Counter(type(c) for name, _, children in stacks if name in lists for _, c in children)
     for name, module, children in stacks:
-        siblings = Counter(type(child) for _, child in children)
-        kinds = lists if isinstance(module, nn.ModuleList) else siblings
-        repeated = [(n, c) for n, c in children if max(kinds[type(c)], siblings[type(c)]) > 1]
+        prefix = f"{name}." if name else ""
+        repeated = [
+            (n, c)
+            for n, c in children
+            if prefix + n in repeated_among_siblings or (name in lists and kinds[type(c)] > 1)
+        ]
         if not repeated:
             continue
-        prefix = f"{name}." if name else ""
         found |= {prefix + child for child, _ in repeated}
         if name and isinstance(module, nn.Sequential):
             found.add(name)
