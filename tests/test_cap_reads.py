@@ -202,6 +202,8 @@ def test_an_allocator_record_reads_the_peak_between_its_marks():
     # part of the call): it finds the profiler busy.
     with pytest.raises(RuntimeError, match="profiler runs already"):
         allocator_peak(lambda: allocator_peak(lambda: torch.ones(10)))
+    with pytest.raises(RuntimeError, match="profiler runs already"):
+        forget.measure(lambda: allocator_peak(lambda: torch.ones(10)), probe="profiler")
 
 
 def test_read_allocator_of_another_name_is_refused():

@@ -263,10 +263,10 @@ class AllocatorRecord:
     a probe inside it finds torch's profiler busy, as it would find a user's.
 
     NOTE [records within a measure]: a record started while ``measure(...,
-    probe="profiler")`` runs on its thread cannot start a profiler of its own; it
-    borrows `measure`'s, whose events and marks it is given when `measure` ends
-    (its `stop` before then does nothing). So a capped step measured that way is
-    read by its cap too, as it would be unmeasured.
+    probe="profiler")`` runs on its thread cannot start a profiler of its own; one
+    that lingers borrows `measure`'s, whose events and marks it is given when
+    `measure` ends (its `stop` before then does nothing). So a capped step
+    measured that way is read by its cap too, as it would be unmeasured.
 
     Args:
         on_stop: called with the reading when the record stops.
@@ -297,7 +297,7 @@ class AllocatorRecord:
         if self.running:
             return False
         waiting = _WAITING.get(threading.get_ident())
-        if waiting is not None:  # NOTE [records within a measure]
+        if waiting is not None and self.lingers:  # NOTE [records within a measure]
             waiting.append(self)
             self.running = self.borrowed = True
             return True
