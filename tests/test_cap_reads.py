@@ -136,10 +136,14 @@ def _user_profiler_starts() -> bool:
 
 @pytest.mark.parametrize("after", ["reports read", "optimizer step", "no-grad forward", "remove"])
 def test_the_record_stops_where_the_user_may_start_a_profiler(after):
+    from torch.optim.optimizer import _global_optimizer_pre_hooks as optimizer_hooks
+
+    hooks = len(optimizer_hooks)
     net = _net()
     handle = forget.cap(net, 10**9)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     _step(net, 64)  # the first step is read: the record is open past its backward
+    assert len(optimizer_hooks) == hooks + 1
     assert torch.autograd.profiler.kineto_available() and torch._C._autograd._profiler_enabled()
     if after == "reports read":
         assert handle.last_step is not None and handle.last_step.allocator_peak_bytes
@@ -151,6 +155,7 @@ def test_the_record_stops_where_the_user_may_start_a_profiler(after):
     else:
         handle.remove()
     assert not torch._C._autograd._profiler_enabled()
+    assert len(optimizer_hooks) == hooks  # the cap's hook on optimizer steps is gone
     assert _user_profiler_starts()
     if after != "remove":
         assert handle.steps[0].allocator_peak_bytes is not None
