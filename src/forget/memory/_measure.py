@@ -161,9 +161,9 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
     finally:
         waiting = _WAITING.pop(thread)
     tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
-    memory, backward = _read_tree(tree)
+    memory, backward, marks = _read_tree(tree)
     if waiting:
-        reading = AllocatorReading.of(memory, tree)
+        reading = AllocatorReading.of(memory, marks)
         for record in waiting:
             record.deliver(reading)
     # torch's profile object is a reference cycle (its actions are its bound methods):
@@ -245,6 +245,10 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     return reading.peak()
 
 
+#: The prefix of an `AllocatorRecord`'s marks (``record_function`` scopes).
+_MARK = "forget::mark "
+
+
 class AllocatorRecord:
     """The CPU allocator's events from `start` to `stop`, as `allocator_peak` reads them.
 
@@ -273,7 +277,7 @@ class AllocatorRecord:
         lingers: whether forget's next allocator probe on the thread may stop it.
     """
 
-    MARK = "forget::mark "
+    MARK = _MARK
 
     def __init__(
         self, on_stop: Callable[[AllocatorReading], None] | None = None, *, lingers: bool = True
@@ -333,7 +337,8 @@ class AllocatorRecord:
         with _without_kineto_log():
             results = autograd_profiler._disable_profiler()
         tree = results.experimental_event_tree()
-        reading = AllocatorReading.of(_read_tree(tree)[0], tree)
+        memory, _, marks = _read_tree(tree)
+        reading = AllocatorReading.of(memory, marks)
         del tree, results
         self.deliver(reading)
         return reading
@@ -359,14 +364,8 @@ class AllocatorReading:
         self.marks = marks
 
     @classmethod
-    def of(cls, memory: list[tuple[int, int, int, str]], tree: list[Any]) -> AllocatorReading:
-        """The reading of a profiler's events (`_read_tree`'s memory, and its tree)."""
-        mark = AllocatorRecord.MARK
-        marks: dict[str, int] = {}
-        for node in _walk(tree):
-            if node.name.startswith(mark):
-                name = node.name[len(mark) :]
-                marks[name] = min(marks.get(name, node.start_time_ns), node.start_time_ns)
+    def of(cls, memory: list[tuple[int, int, int, str]], marks: dict[str, int]) -> AllocatorReading:
+        """The reading of a profiler's events (`_read_tree`'s memory and marks)."""
         live, series = 0, []
         for time_ns, _, nbytes, _ in memory:
             live += nbytes
@@ -395,14 +394,6 @@ def stop_open_record() -> None:
     record = _OPEN.get(threading.get_ident())
     if record is not None and record.lingers:
         record.stop()
-
-
-def _walk(roots: list[Any]) -> Iterator[Any]:
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        yield node
 
 
 @contextmanager
@@ -454,18 +445,20 @@ def _flush_stderr() -> None:
 
 def _read_tree(
     roots: list[Any],
-) -> tuple[list[tuple[int, int, int, str]], list[tuple[int, int]]]:
-    """The profiled call's allocations and frees of those, and its backward spans.
+) -> tuple[list[tuple[int, int, int, str]], list[tuple[int, int]], dict[str, int]]:
+    """The profiled call's allocations and frees of those, its backward spans, its marks.
 
     Memory as ``(time_ns, order, nbytes, device type)`` in time order, frees
     negative; a free of a block the call did not make is dropped (NOTE [the two
     probes]). Spans as ``(start_ns, end_ns)`` of autograd's evaluate_function
-    events, one per node backward ran.
+    events, one per node backward ran. Marks (`AllocatorRecord.mark`) by name, the
+    first instant of each.
     """
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int, int, str, tuple[str, int, int]]] = []
     spans: list[tuple[int, int]] = []
+    marks: dict[str, int] = {}
     stack = list(reversed(roots))
     while stack:  # depth first, in the tree's order: events of one instant stay in order
         node = stack.pop()
@@ -477,6 +470,9 @@ def _read_tree(
             events.append((node.start_time_ns, len(events), f.alloc_size, dev, block))
         elif node.name.startswith("autograd::engine::evaluate_function"):
             spans.append((node.start_time_ns, node.end_time_ns))
+        elif node.name.startswith(_MARK):
+            name = node.name[len(_MARK) :]
+            marks[name] = min(marks.get(name, node.start_time_ns), node.start_time_ns)
     events.sort()
     made: dict[tuple[str, int, int], int] = {}
     memory: list[tuple[int, int, int, str]] = []
@@ -486,7 +482,7 @@ def _read_tree(
         elif made.pop(block, None) is None:
             continue
         memory.append((t, order, nbytes, dev))
-    return memory, spans
+    return memory, spans, marks
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
