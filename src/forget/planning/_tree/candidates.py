@@ -112,17 +112,18 @@ def _default_candidates(model: nn.Module) -> set[str]:
     # one residual block each, the up blocks more). Inside a repeated block (a T5
     # block's sublayers) and in a Sequential (a sequence of different layers) only
     # siblings count: regions within the blocks multiply them for little.
+    siblings = {name: Counter(type(c) for _, c in children) for name, _, children in stacks}
     repeated_among_siblings = {
         f"{name}.{n}" if name else n
         for name, _, children in stacks
         for n, c in children
-        if sum(type(o) is type(c) for _, o in children) > 1
+        if siblings[name][type(c)] > 1
     }
 
     def free(name: str) -> bool:
         return not any(name == r or name.startswith(f"{r}.") for r in repeated_among_siblings)
 
-    lists = [name for name, module, _ in stacks if isinstance(module, nn.ModuleList) and free(name)]
+    lists = {name for name, module, _ in stacks if isinstance(module, nn.ModuleList) and free(name)}
     kinds = Counter(type(c) for name, _, children in stacks if name in lists for _, c in children)
     for name, module, children in stacks:
         prefix = f"{name}." if name else ""
