@@ -135,15 +135,19 @@ def test_profile_takes_the_factory_plan_takes(factory_dir, fixed_clock, capsys):
         f"({forget.schedules.format_bytes(data['plain_peak_bytes'])}) by the allocator "
         f"(profiler), predicted (the plain step never runs); ledger "
         f"{plan.plain_ledger_peak_bytes:,} B on fake tensors",
-        "module                         kept B       input B     fwd ms",
+        "module                         kept B       input B        work B     fwd ms",
     ]
     # A layer keeps its first Linear's and GELU's outputs, 2 x 16 x 32 floats, and its
     # input, 16 x 8 floats, which is all it holds when forgotten (the first layer's input
-    # is the batch, alive anyway); the fixed clock gives every module 1 ms.
-    assert lines[4:6] == [
-        "  layers.0 (Sequential)         4,096             0      1.000",
-        "  layers.1 (Sequential)         4,608           512      1.000",
+    # is the batch, alive anyway); the fixed clock gives every module 1 ms. Its backward's
+    # work holds the gradients of every parameter so far: each layer's 552 floats more
+    # than the layer after it.
+    assert lines[4:7] == [
+        "  layers.0 (Sequential)         4,096             0         8,516      1.000",
+        "  layers.1 (Sequential)         4,608           512         6,308      1.000",
+        "  layers.2 (Sequential)         4,608           512         3,588      1.000",
     ]
+    assert 8_516 - 6_308 == (8 * 32 + 32 + 32 * 8 + 8) * 4
     assert [m["name"] for m in data["modules"]] == ["<model>", *(f"layers.{i}" for i in range(3))]
     assert f"\n{plan}\n" in out
     assert plan.budget_bytes == plan.min_feasible_bytes == plan.measured_peak_bytes

@@ -27,7 +27,7 @@ from _tree_models import MODELS, _allocator_peak, _step
 from forget import BudgetInfeasibleError, TreePlan
 from forget.planning import TreePlanner, _clock
 from forget.planning._tree.apply import RegionForward
-from forget.planning._tree.planner import _key
+from forget.planning._tree.search import choices_key as _key
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 
@@ -66,11 +66,14 @@ def planned(request: pytest.FixtureRequest) -> Planned:
 def _plan(planned: Planned, budget: str) -> TreePlan:
     plan = planned.plans[budget]
     if isinstance(plan, BudgetInfeasibleError):
-        # Only 50 % may be out of reach; then the error names the least, measured.
+        # Only 50 % may be out of reach; then the error names the least measured, or,
+        # where a step that might need less passed the budget, a budget measured to fit.
         assert budget == "50%"
         least = planned.plans["least"]
         assert isinstance(least, TreePlan)
-        assert plan.min_feasible_bytes == least.min_feasible_bytes > plan.budget_bytes
+        assert plan.min_feasible_bytes >= least.min_feasible_bytes > plan.budget_bytes
+        if plan.min_feasible_bytes > least.min_feasible_bytes:
+            assert "steps that may need less passed this budget" in str(plan)
         pytest.skip(f"50 % is below the least feasible budget ({plan.min_feasible_bytes:,} B)")
     return plan
 
@@ -123,7 +126,7 @@ def test_least_feasible_budget_works_and_one_byte_less_raises(planned):
 def test_the_least_is_searched_for_only_where_wanted():
     # NOTE [least on demand]: a budget the search fits measures neither assignment of
     # least memory; the plan says its least is a budget measured to fit.
-    model, inputs = MODELS["resnet"]()
+    model, inputs = MODELS["net"]()
     with _clock.using(_clock.FixedClock()):
         planner = TreePlanner(model, (), inputs, repeats=1)
         plan = planner.plan("75%")

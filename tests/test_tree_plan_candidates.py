@@ -31,7 +31,8 @@ from forget import TreePlan
 from forget import policies as policies_
 from forget.planning import DEFAULT_OPTIONS, TreePlanner
 from forget.planning._tree.candidates import find_candidates, first_difference
-from forget.planning._tree.planner import _key
+from forget.planning._tree.search import choices_key as _key
+from forget.planning._tree.search import drop_regions, search_frontier
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 
@@ -229,9 +230,14 @@ def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypa
     # it (its mean and rstd are spared alike); regenerating its output, which it
     # returns anyway, spares nothing.
     assert norm.options == ()
-    figures = {layer.options for layer in layers}
-    assert len(figures) == 1  # four alike layers, one measurement
-    (options,) = figures
+    # Four alike layers, one measurement: the same bytes held and time; each peak is the
+    # layer's own, on the gradients its backward holds (NOTE [backward work]).
+    figures = {tuple((o.name, o.held_bytes, o.extra_s) for o in layer.options) for layer in layers}
+    assert len(figures) == 1
+    for layer in layers:
+        keep = layer.own_bytes + layer.work_bytes  # a kept layer's peak in its backward
+        assert [o.peak_bytes - keep for o in layer.options] == [layer.input_bytes, 0]
+    options = layers[0].options
     assert [o.name for o in options] == ["selective", "regenerate"]
     assert all(o.held_bytes < layers[0].own_bytes for o in options)
     assert sorted(measured) == ["Block", "LayerNorm", "Linear"]
@@ -309,7 +315,7 @@ def test_the_search_stops_once_fit_and_miss_are_predicted_within_its_resolution(
         return predicted[i] + 10 * plain // 1000
 
     budget = plain // 2
-    planner._search(budget)
+    search_frontier(planner, budget)
     lo = max(i for i in measured if true_peak(i) <= budget)
     hi = min(i for i in measured if true_peak(i) > budget)
     assert 0 < predicted[hi] - predicted[lo] <= plain // 128  # stopped within the resolution
@@ -326,10 +332,10 @@ def test_the_search_stops_where_no_point_is_predicted_to_fit_with_a_miss_error(f
     # the least to be measured. A miss of 10 points' worth searches on.
     planner, _, measured, error = _frontier(1.0)
     error["points"] = 600
-    planner._search(planner.plain_peak // 2)
+    search_frontier(planner, planner.plain_peak // 2)
     assert measured == [500]
     error["points"], measured[:] = 10, []
-    planner._search(planner.plain_peak // 2)
+    search_frontier(planner, planner.plain_peak // 2)
     assert measured[:2] == [500, 490] and len(measured) > 2
 
 
@@ -337,7 +343,7 @@ def test_the_search_stops_once_no_point_left_is_predicted_to_save_time(fixed_clo
     # NOTE [close enough]: the same frontier, its points a nanosecond apart in time.
     planner, _, measured, _ = _frontier(1e-9)
     assert planner.tolerance_s > 9e-9
-    planner._search(planner.plain_peak // 2)
+    search_frontier(planner, planner.plain_peak // 2)
     # A miss at 500, a fit at 490: the points between save 9 ns at most.
     assert measured == [500, 490]
 
@@ -380,15 +386,15 @@ def test_one_region_fewer_is_measured_where_the_model_missed_a_fit(fixed_clock):
     true = {without(): 90, without("a"): 130, without("b"): 99, without("c"): 101}
     planner, measured = _stand_in(predicted, true)
     planner.measured = {(): ({}, 300), (("a", "forget"),): ({"a": "forget"}, 120)}
-    planner._drop_regions(100)
+    drop_regions(planner, 100)
     assert measured == []  # every miss near 100 was foreseen (a alone: predicted 150)
     planner.measured[_key(best)] = (best, 90)
     planner.measured[(("x", "forget"),)] = ({"x": "forget"}, 120)  # predicted 150: foreseen
-    planner._drop_regions(100)
+    drop_regions(planner, 100)
     assert measured == []
     planner.measured[(("y", "forget"),)] = ({"y": "forget"}, 120)
     predicted[frozenset({"y"})] = 95  # a miss the model predicted to fit
-    planner._drop_regions(100)
+    drop_regions(planner, 100)
     # Lowest predicted peak first: without c (101, misses), without b (105, fits); then
     # from {a, c}: {a} was measured before, and {c}, predicted 150, would fit only if
     # over-predicted by 50, where the most the model over-predicted is 30 ({a} and {x},
@@ -410,7 +416,7 @@ def test_one_region_fewer_is_measured_where_the_model_over_predicted(fixed_clock
     true |= {without("a", "b"): 101}
     planner, measured = _stand_in(predicted, true)
     planner.measured = {(): ({}, 300), _key(best): (best, 80)}
-    planner._drop_regions(100)
+    drop_regions(planner, 100)
     # From {a, b, c} (error -15): without b, 105 - 15 fits: measured, 92; without a
     # (120 - 15) and without c (130 - 15) are not. From {a, c} (error -13): {c}
     # (112 - 13) is measured and misses; {a} (140 - 13) is not; the walk ends.

@@ -7,6 +7,7 @@ and under a coarse unit.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -47,13 +48,14 @@ def brute_force(node: TreeNode, inside: bool = False) -> list[Assignment]:
             ]
         return combos
 
-    a, out = node.own_bytes, []
+    a, w, t, out = node.own_bytes, node.work_bytes, node.tail_bytes, []
     for c, held, peak, extra in children(inside):
-        out.append((c, a + held, a + peak, extra))
+        out.append((c, a + held, max(a + held + w, a - t + peak), extra))
     if node.can_forget:
-        for c, _, peak, extra in children(True):
+        for c, held, peak, extra in children(True):
             c = {**c, node.name: "forget"}
-            out.append((c, node.input_bytes, node.input_bytes + a + peak, node.forward_s + extra))
+            peak = node.input_bytes + max(a + held + w, a - t + peak)
+            out.append((c, node.input_bytes, peak, node.forward_s + extra))
     for o in node.options:
         if o.in_regions or not inside:
             out.append(({node.name: o.name}, o.held_bytes, o.peak_bytes, o.extra_s))
@@ -87,11 +89,13 @@ def trees(draw: Any, max_nodes: int = 8, min_time: int = 0) -> Tree:
         built[i] = TreeNode(
             f"m{i}",
             tuple(built[j] for j in range(i + 1, n) if parents[j - 1] == i),
-            own_bytes=draw(st.integers(0, 80)),
+            own_bytes=(own := draw(st.integers(0, 80))),
+            tail_bytes=draw(st.sampled_from([0, own, own // 2])),
             input_bytes=draw(st.integers(0, 60)),
             forward_s=float(draw(st.integers(min_time, 4))),
             options=tuple(options),
             can_forget=draw(st.integers(0, 3)) > 0,
+            work_bytes=draw(st.sampled_from([0, 0, *range(5, 80, 15)])),
         )
     # A floor (the gradients at backward's end) now below every plan, now above some.
     floor = draw(st.sampled_from([0, 0, *range(50, 400, 25)]))
@@ -174,7 +178,7 @@ def test_keep_everything_when_the_budget_allows(tree, spare):
 def test_coarse_unit_plans_fit_exactly_and_lose_at_most_the_bound(tree, unit):
     every = brute_force(tree.root)
     base, floor = tree.base_bytes, tree.floor_bytes
-    margin = 2 * len(tree) * (unit - 1)  # NOTE [tree Pareto solver]
+    margin = (2 * len(tree) + 1) * (unit - 1)  # NOTE [tree Pareto solver]
     least = tree_min_feasible_bytes(tree, unit_bytes=unit)
     assert tree_min_feasible_bytes(tree) <= least <= tree_min_feasible_bytes(tree) + margin
     for budget in [*interesting_budgets(every, base, floor), least, max(least - 1, 0)]:
@@ -283,6 +287,42 @@ def test_nested_regions_win_at_the_least_budget_of_the_two_level_model():
     assert str(solve_tree(tree, 9999)).endswith("\n  (every node kept)")
 
 
+def test_work_and_tail_of_a_language_model_head():
+    # The loss's backward runs first, with both layers held: it allocates 700 (the
+    # logits' gradient) and frees the 150 it saved (the log-probabilities); a layer's
+    # own backward allocates 50.
+    layers = tuple(
+        TreeNode(f"layer.{i}", own_bytes=300, input_bytes=100, forward_s=4.0, work_bytes=50)
+        for i in range(2)
+    )
+    root = TreeNode(
+        "model", layers, own_bytes=200, can_forget=False, work_bytes=700, tail_bytes=150
+    )
+    tree = Tree(root, base_bytes=1000)
+    # keep: held 200 + 600; peak max(200 + 600 + 700, 50 + max(350, 300 + 350))
+    assert tree_figures(tree, {}) == (800, 2500, 0.0)
+    # layer.1 forgotten holds 100 and re-runs to 100 + 300 + 50 beside layer.0's 300:
+    # max(200 + 400 + 700, 50 + max(350, 300 + 450))
+    assert tree_figures(tree, {"layer.1": "forget"}) == (600, 2300, 4.0)
+    # Both forgotten: the loss's work on 200 of inputs is the peak.
+    both = {"layer.0": "forget", "layer.1": "forget"}
+    assert tree_figures(tree, both) == (400, 1000 + 200 + 200 + 700, 8.0)
+    assert tree_min_feasible_bytes(tree) == 2100
+    assert solve_tree(tree, 2100).choices == both
+    # Without work, the tail decides: forgetting both peaks at 50 + 100 + 400 in
+    # layer.1's re-run, below layer.0 alone (200 + 100 + 300 in the loss's backward).
+    bare = Tree(
+        replace(root, work_bytes=0, children=tuple(replace(n, work_bytes=0) for n in layers))
+    )
+    assert tree_figures(bare, both).peak_bytes == 550
+    assert tree_figures(bare, {"layer.0": "forget"}).peak_bytes == 600
+    assert solve_tree(bare, 550).choices == both
+    # Without the tail, the loss's saved bytes stay through every layer's backward.
+    held = Tree(replace(bare.root, tail_bytes=0))
+    assert tree_figures(held, both).peak_bytes == 700
+    assert solve_tree(held, 600).choices == {"layer.0": "forget"}
+
+
 def test_options_obey_in_regions_and_fix_their_subtree():
     mlp = TreeNode("block.layer.mlp", own_bytes=400, input_bytes=100, forward_s=1.0)
     layer = TreeNode(
@@ -353,6 +393,16 @@ BAD_INPUTS = {
         _encoder_with(own_bytes=-1),
         ValueError,
         r"TreeNode 'encoder'\.own_bytes must be >= 0 bytes, got -1",
+    ),
+    "negative-work-bytes": (
+        _encoder_with(work_bytes=-1),
+        ValueError,
+        r"TreeNode 'encoder'\.work_bytes must be >= 0 bytes, got -1",
+    ),
+    "tail-above-own": (
+        _encoder_with(own_bytes=10, tail_bytes=11),
+        ValueError,
+        r"TreeNode 'encoder'\.tail_bytes=11 is above its own_bytes=10",
     ),
     "float-input-bytes": (
         _encoder_with(input_bytes=1.5),

@@ -98,29 +98,27 @@ def tree_timeline(planner: TreePlanner, plan: TreePlan | None) -> list[tuple[int
 def format_tree_ledger(planner: TreePlanner) -> str:
     """Per candidate module, as its forward runs: what its own ops keep, its inputs, its time."""
     types = dict(planner.structure)
-    rows: list[tuple[str, int, int, float]] = []
+    rows: list[tuple[str, int, int, int, float]] = []
 
     def visit(node: Any, depth: int) -> None:
         path = node.name if depth else ""
         kind = types.get(path, "?").rsplit(".", 1)[-1]
-        rows.append(
-            (
-                f"{'  ' * depth}{node.name} ({kind})",
-                node.own_bytes,
-                node.input_bytes,
-                node.forward_s,
-            )
-        )
+        name = f"{'  ' * depth}{node.name} ({kind})"
+        rows.append((name, node.own_bytes, node.input_bytes, node.work_bytes, node.forward_s))
         for child in node.children:
             visit(child, depth + 1)
 
     visit(planner.tree.root, 0)
     width = max(len(r[0]) for r in rows)
-    lines = [f"{'module':<{width}}  {'kept B':>12}  {'input B':>12}  {'fwd ms':>9}"]
-    lines += [f"{n:<{width}}  {kept:>12,}  {inp:>12,}  {s * 1e3:>9.3f}" for n, kept, inp, s in rows]
+    lines = [f"{'module':<{width}}  {'kept B':>12}  {'input B':>12}  {'work B':>12}  {'fwd ms':>9}"]
+    lines += [
+        f"{n:<{width}}  {kept:>12,}  {inp:>12,}  {work:>12,}  {s * 1e3:>9.3f}"
+        for n, kept, inp, work, s in rows
+    ]
     lines.append(
         "(kept B: what the module's own ops keep for backward in a plain step; input B: what "
-        "it holds when forgotten, its inputs; fwd ms: its forward, children included)"
+        "it holds when forgotten, its inputs; work B: what its own backward allocates beyond "
+        "that, gradients and temporaries; fwd ms: its forward, children included)"
     )
     return "\n".join(lines)
 
@@ -360,6 +358,7 @@ def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
                     "type": types.get("" if node is planner.tree.root else node.name, "?"),
                     "kept_bytes": node.own_bytes,
                     "input_bytes": node.input_bytes,
+                    "work_bytes": node.work_bytes,
                     "forward_s": node.forward_s,
                 }
                 for node in _nodes(planner.tree.root)

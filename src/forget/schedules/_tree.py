@@ -16,10 +16,16 @@ backward; ``peak(v)``, the most allocated at any time of its backward (at least
 to a plain step. With ``a`` its `TreeNode.own_bytes` (saved by its own ops, not
 inside a child) and ``c_1 .. c_k`` its children:
 
-* ``"keep"``: ``held = a + Σ held(c_i)``. While ``c_i``'s backward runs, ``a``
-  and every child before ``c_i`` are still held, so
-  ``peak = a + max_i (Σ_{j<i} held(c_j) + peak(c_i))`` (``a`` alone without
-  children), and ``extra = Σ extra(c_i)``.
+* ``"keep"``: ``held = a + Σ held(c_i)``. The backward of the node's own ops
+  after its last child (its tail: a language model's loss) runs first, with
+  every child held, and allocates ``w`` (`TreeNode.work_bytes`: gradients and
+  temporaries beyond the saved bytes); it frees the ``t`` bytes those ops saved
+  (`TreeNode.tail_bytes`). While ``c_i``'s backward runs, the rest of ``a`` and
+  every child before ``c_i`` are still held, so
+  ``peak = max(a + Σ_i held(c_i) + w, a - t + max_i (Σ_{j<i} held(c_j) + peak(c_i)))``
+  (``a + w`` without children), and ``extra = Σ extra(c_i)``. The work of
+  the own ops between children is counted in the child's backward that runs
+  just before it (NOTE [backward work] in `forget.planning`).
 * ``"forget"``: the forward keeps only the node's inputs, ``held = in``
   (`TreeNode.input_bytes`); the backward re-runs the subtree's forward, the
   children taking their own choices, then runs as ``"keep"`` would, on top of
@@ -128,6 +134,12 @@ class TreeNode:
         forward_s: time of its whole forward, children included, in a plain step.
         options: leaf options it may take besides ``"keep"`` and ``"forget"``.
         can_forget: whether it may be a forgotten region; ``True`` by default.
+        work_bytes: the most the backward of its own ops after its last child
+            allocates beyond the bytes saved for it: the gradients it makes and
+            its temporaries (a language model's loss: the logits' gradient); a
+            node without children, its whole backward's. 0 by default.
+        tail_bytes: of ``own_bytes``, those saved by its ops after its last
+            child, freed before any child's backward; 0 by default.
 
     Raises:
         TypeError: a field of the wrong type.
@@ -141,13 +153,20 @@ class TreeNode:
     forward_s: float = 0.0
     options: tuple[TreeOption, ...] = ()
     can_forget: bool = True
+    work_bytes: int = 0
+    tail_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"forget: TreeNode.name must be a non-empty str, got {self.name!r}")
         owner = f"TreeNode {self.name!r}"
-        for name in ("own_bytes", "input_bytes"):
+        for name in ("own_bytes", "input_bytes", "work_bytes", "tail_bytes"):
             object.__setattr__(self, name, _check_bytes(owner, name, getattr(self, name)))
+        if self.tail_bytes > self.own_bytes:
+            raise ValueError(
+                f"forget: {owner}.tail_bytes={self.tail_bytes} is above its "
+                f"own_bytes={self.own_bytes}; the tail's saved bytes are part of its own"
+            )
         object.__setattr__(self, "forward_s", _check_seconds(owner, "forward_s", self.forward_s))
         _check_bool(owner, "can_forget", self.can_forget)
         for attr, kind in (("children", TreeNode), ("options", TreeOption)):
@@ -322,9 +341,10 @@ def _figures(
             held_sum += h
             extra += e
         a = node.own_bytes
+        peak = max(a + held_sum + node.work_bytes, a - node.tail_bytes + peak)
         if choice == KEEP:
-            return a + held_sum, a + peak, extra
-        return node.input_bytes, node.input_bytes + a + peak, node.forward_s + extra
+            return a + held_sum, peak, extra
+        return node.input_bytes, node.input_bytes + peak, node.forward_s + extra
     option = next(o for o in node.options if o.name == choice)
     if region is not None and not option.in_regions:
         raise ValueError(

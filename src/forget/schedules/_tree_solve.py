@@ -24,15 +24,16 @@ figures of the nodes and options are rounded *up* to whole units for pruning,
 so a set whose figures stay below ``K`` units holds at most ``(K + 1)**2``
 entries. The exact figures ride along, and a plan is judged by its exact peak,
 so a plan returned always fits, whichever way the units round. The root's peak
-sums at most ``2N`` rounded terms for ``N`` nodes (a node's ``in`` and ``a``,
-or an option's figure), each rounded up by at most ``u - 1`` bytes, so the plan
-for budget ``B`` is at least as fast as the exact optimum for ``B - 2N(u - 1)``,
-and the least feasible budget reported exceeds the exact least by at most
-``2N(u - 1)``. With ``u = 1`` (the default) all is exact. Exact sets stay
-small for models of repeated layers (equal layers give equal sums), but can
-grow exponentially with the node count when every figure differs; a coarser
-unit bounds them. A prune sorts, then keeps a staircase of (peak, extra):
-``O(n log n)``, plus a list insertion per entry kept.
+sums at most ``2N + 1`` rounded terms for ``N`` nodes (a node's ``in`` and
+``a`` or ``a - t``, or an option's figure, and one node's ``w``), each rounded
+up by at most ``u - 1`` bytes, so the plan for budget ``B`` is at least as
+fast as the exact optimum for ``B - (2N + 1)(u - 1)``, and the least feasible
+budget reported exceeds the exact least by at most ``(2N + 1)(u - 1)``.
+With ``u = 1`` (the default) all is exact. Exact sets stay small for models of
+repeated layers (equal layers give equal sums), but can grow exponentially
+with the node count when every figure differs; a coarser unit bounds them. A
+prune sorts, then keeps a staircase of (peak, extra): ``O(n log n)``, plus a
+list insertion per entry kept.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def solve_tree(tree: Tree, budget_bytes: int, *, unit_bytes: int = 1) -> TreeSch
         budget_bytes: the most the step may allocate, ``base_bytes`` included.
         unit_bytes: resolution of the pruning; 1 (exact) by default. A coarser
             unit bounds the work, and the plan may be slower than the exact
-            optimum by what ``2 * len(tree) * (unit_bytes - 1)`` bytes buy
+            optimum by what ``(2 * len(tree) + 1) * (unit_bytes - 1)`` bytes buy
             (NOTE [tree Pareto solver]); it always fits.
 
     Returns:
@@ -204,20 +205,17 @@ def _fronts(node: TreeNode, unit: int) -> tuple[list[_Entry], list[_Entry]]:
     Recursive, as deep as the tree: module trees are tens of levels deep, not hundreds.
     """
     kids = [_fronts(child, unit) for child in node.children]
-    inside_states = _combine([inside for _, inside in kids])
+    inside_states = _own(node, _combine([inside for _, inside in kids]), unit)
     same = all(top is inside for top, inside in kids)
-    top_states = inside_states if same else _combine([top for top, _ in kids])
-    a, qa = node.own_bytes, _up(node.own_bytes, unit)
+    top_states = inside_states if same else _own(node, _combine([top for top, _ in kids]), unit)
     i, qi = node.input_bytes, _up(node.input_bytes, unit)
     forgets: list[_Entry] = []
     if node.can_forget:
         fwd = node.forward_s
-        forgets = [
-            (qi, qi + qa + s[1], fwd + s[2], i, i + a + s[4], (FORGET, s[5])) for s in inside_states
-        ]
+        forgets = [(qi, qi + s[1], fwd + s[2], i, i + s[4], (FORGET, s[5])) for s in inside_states]
 
     def front(states: list[_Entry], inside: bool) -> list[_Entry]:
-        keeps = [(qa + s[0], qa + s[1], s[2], a + s[3], a + s[4], (KEEP, s[5])) for s in states]
+        keeps = [(*s[:5], (KEEP, s[5])) for s in states]
         mine = [_leaf(o, unit) for o in node.options if o.in_regions or not inside]
         return _prune(keeps + forgets + mine)
 
@@ -249,6 +247,21 @@ def _combine(fronts: list[list[_Entry]]) -> list[_Entry]:
             ]
         )
     return states
+
+
+def _own(node: TreeNode, states: list[_Entry], unit: int) -> list[_Entry]:
+    """The children's states with the node's own bytes on: its kept figures.
+
+    ``(H, P)`` becomes ``(a + H, max(a + H + w, a - t + P))`` (NOTE [tree cost
+    model]): non-decreasing in both, so the set stays a Pareto set (only ties
+    may appear, which the node's prune drops).
+    """
+    a, w, t = node.own_bytes, node.work_bytes, node.tail_bytes
+    qa, qw, qr = _up(a, unit), _up(w, unit), _up(a - t, unit)
+    return [
+        (qa + H, max(qa + H + qw, qr + P), E, a + XH, max(a + XH + w, a - t + XP), link)
+        for H, P, E, XH, XP, link in states
+    ]
 
 
 def _prune(entries: list[_Entry]) -> list[_Entry]:

@@ -176,9 +176,10 @@ def alone_figures(
     limit: int | None,
     alone_limit: int | None,
     probe: str,
-) -> tuple[dict[str, float], int, dict[str, dict[str, tuple[int, float]]]]:
+) -> tuple[dict[str, float], dict[str, int], dict[str, dict[str, tuple[int, float]]]]:
     """Times (`forward_times`), then workspace and options' figures, one innermost
-    representative at a time (NOTE [alike stages]).
+    representative at a time (NOTE [alike stages]): per candidate its seconds, per
+    representative its workspace bytes and its options' figures.
 
     Each representative's inputs are captured (`_capture`, with others' where
     they are small, NOTE [captures together]), its figures taken, and its
@@ -202,7 +203,7 @@ def alone_figures(
     times = forward_times(step, names, rep_of, repeats)
     inner = set(names) - set(parent.values())
     figures: dict[str, dict[str, tuple[int, float]]] = {}
-    gap = 0
+    workspace: dict[str, int] = {}
     # Only the innermost kinds run alone: for their workspace and options.
     reps = [rep for rep in dict.fromkeys(rep_of.values()) if rep in inner]
     for rep, args, kwargs, held in _captured(step, reps, layouts, limit, probe):
@@ -213,7 +214,7 @@ def alone_figures(
         alone = _Alone(model.get_submodule(rep), args, kwargs)
         try:
             with guard(left, probe):
-                gap = max(gap, alone.workspace_bytes(probe))
+                workspace[rep] = alone.workspace_bytes(probe)
                 offered = alone.option_bytes(policies)
         except Overrun:
             offered = {}
@@ -221,7 +222,7 @@ def alone_figures(
         figures[rep] = alone.option_times(offered, policies, repeats)
         alone.clear()
         del args, kwargs, alone
-    return {name: times[name] + fixed for name in names}, gap, figures
+    return {name: times[name] + fixed for name in names}, workspace, figures
 
 
 def forward_times(
@@ -338,7 +339,8 @@ class _Alone:
 
         Kernel workspaces (a convolution's, on CPU too) are no tensor storage, so
         the ledger, and the fake run it counts, does not see them (NOTE [tree
-        figures]); the most of any innermost candidate is the step's.
+        figures]); they count in the module's backward work (NOTE [backward
+        work]).
         """
         if probe == "ledger":
             return 0

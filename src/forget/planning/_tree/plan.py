@@ -317,6 +317,8 @@ def _node_dict(node: P.TreeNode) -> dict[str, Any]:
         "name": node.name,
         "own_bytes": node.own_bytes,
         "input_bytes": node.input_bytes,
+        "work_bytes": node.work_bytes,
+        "tail_bytes": node.tail_bytes,
         "forward_s": node.forward_s,
         "can_forget": node.can_forget,
         "options": [dataclasses.asdict(o) for o in node.options],
@@ -333,4 +335,6 @@ def _node(obj: Mapping[str, Any]) -> P.TreeNode:
         forward_s=float(obj["forward_s"]),
         options=tuple(P.TreeOption(**o) for o in obj.get("options", ())),
         can_forget=bool(obj.get("can_forget", True)),
+        work_bytes=int(obj.get("work_bytes", 0)),  # NOTE [backward work]: none in older files
+        tail_bytes=int(obj.get("tail_bytes", 0)),
     )

@@ -56,10 +56,17 @@ assignment, and measuring them cost a third of planning at 75 % (3.4 and 2.9
 plain steps each on the Llama, 4.4 and 4.8 on the ResNet of
 benchmarks/tree_targets.py). So they are measured only where the least is
 wanted: where the search found no fit (the error names the least), or when
-asked (`TreePlanner.least`, the command line's ``--budgets min``). A plan
-made without them says so (``least_searched``): its ``min_feasible_bytes`` is
+asked (`TreePlanner.least`, the command line's ``--budgets min``). Then the
+search runs once more just below the least measured, up to `_MAX_BELOW`
+times while it finds a lower fit: on Llama of tests/_tree_models.py a plan
+at the least named fit, and one a byte below it fit too, the search for that
+budget having measured a point neither least point was. A plan made
+without them says so (``least_searched``): its ``min_feasible_bytes`` is
 then the least peak the search measured, a budget known to fit, not the
-least.
+least. `least` asked by the user measures under the planner's own
+``budget`` (or the predicted plain peak), not the last budget planned: under
+a budget below the least, both points are stopped, and the least known is
+only a budget measured to fit, which an error then says.
 
 NOTE [planning within the budget]: the user who needs a plan is the one whose
 plain step does not fit, so planning never runs the plain step and never holds
@@ -83,21 +90,6 @@ ledger's bytes are not the process's resident memory: glibc keeps freed heap
 pages, so planning runs with large blocks mapped for themselves (NOTE [freed
 heap] in `._heap`).
 
-NOTE [close enough]: a measured step costs two to four plain steps (the guard's
-ledger and the allocator's record see every op; regions add their own), and the
-search measured points that could save a fraction of a millisecond over the
-last fit: on the 4-layer Llama of benchmarks/tree_targets.py at 75 %, after a
-fit predicted to add 17.2 ms and a miss at 11.3 ms, the next point it measured
-was predicted to add 17.0 ms. So the
-search stops once the points left between the last fit and the first miss are
-predicted to save no more than a 64th of the predicted forward (the top
-candidates' ``forward_s``, about a 200th of a step) over the last fit: a plan
-the search stops at is at most that slower, by the cost model, than one it
-would have gone on to find. The walk of NOTE [one region fewer] keeps its
-variants: each saves one small region's re-run (a ResNet's convolution, about
-a 36th of the step), under this tolerance alone, but they add up along the
-walk.
-
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
 not hold the same bytes: on a residual MLP whose blocks were kept in part
@@ -107,34 +99,6 @@ been measured to fit. So every assignment with a policy region is measured
 twice, the second step right after the first, and the larger peak counts (a
 forgotten region's two paths hold the same bytes: its fast path only skips the
 watching; regenerate runs no region).
-
-NOTE [one region fewer]: the search walks the frontier the cost model
-predicts, so an assignment off that frontier is never measured, however well
-it would fit. Where the model predicts peaks well that loses nothing; where it
-does not, it can lose the plan: on the ResNet of benchmarks/tree_targets.py at
-75 %, frontier points forgetting the early stages' convolutions were predicted
-at 14.7 to 15.4 MB and measured at 17.4 to 18.0 MB (the convolutions'
-workspaces, which the ledger behind the figures does not see), so the search
-fell back to a point forgetting five modules, while forgetting the first four
-layers, which the model put behind those points, fits at 15.4 MB: the chosen
-plan's overhead was 1.04 to 1.15 times that one's (three runs). So where the
-search measured a miss the model had predicted to fit, the planner also
-measures the cheapest fitting assignment with one of its regions or options
-dropped, those predicted to peak lowest first; a fitting one is cheaper by
-construction (it re-runs less), and the walk goes on from it, `_MAX_DROPS`
-measurements at most. Where the model over-predicts instead, the same walk
-measures the variants whose prediction, less the error measured on the
-assignment they come from, fits: on GPT-2 of benchmarks/tree_targets.py at 50 %
-the first three layers forgotten were predicted above the budget, so the plan
-also re-ran the fourth (`regenerate`) for no byte at the peak (measured
-35,160,032 B either way) and was 1.14 times as slow (benchmarks/measured.md).
-Where it missed, a variant predicted past the budget by more than the model
-over-predicted any step measured is left unmeasured (on the ResNet, once one
-region was left, the walk measured the plain step, predicted a third past the
-budget). And a variant the cost model predicts to save no time is never
-measured: on the 4-layer Llama at 75 %, four variants of a four-layer plan
-whose options were timed at no extra cost took four guarded steps (about a
-quarter of that plan's planning) and could gain nothing the model sees.
 
 NOTE [default options]: a plan of whole modules forgets whole layers, and
 layers alike cost alike, so on a transformer every such plan is some k layers
@@ -155,7 +119,6 @@ it runs on CUDA only, and no GPU has measured it in a plan yet.
 from __future__ import annotations
 
 import functools
-from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -174,30 +137,20 @@ from .apply import applied
 from .candidates import ROOT, CandidateSpec, structure
 from .plan import DEFAULT_OPTIONS, TreePlan
 from .profile import profile_tree
+from .search import Key as _Key
+from .search import choices_key as _key
+from .search import drop_regions, search_frontier, tolerance_s
 from .step import TreeLossFn, TreeStep, check_same_calls, samples_step, signature_of, traced
 
 __all__ = ["TreePlanner", "plan_tree"]
 
-# Assignments measured along the frontier for one budget, at most.
-_MAX_PROBES = 10
-# The search stops once a fitting and a missing point are predicted this close:
-# within the plain peak over this (a finer step trades less than 0.8 % of it).
-_RESOLUTION = 128
-# The search stops where what is left to gain is below the forward's time over this.
-_TIME_RESOLUTION = 64  # NOTE [close enough]
-# Assignments with one region fewer measured per budget, at most (NOTE [one region fewer]).
-_MAX_DROPS = 4
+# Searches below the least measured, at most (NOTE [least on demand]).
+_MAX_BELOW = 3
 # Fitting assignments timed side by side: at most this many, of those predicted within
 # `_CLOSE` times the least extra time.
 _MAX_TIMED, _CLOSE = 3, 1.25
 # Byte figures are pruned in units of the plain peak over this (NOTE [tree Pareto solver]).
 _UNITS_PER_PEAK = 1 << 16
-
-_Key = tuple[tuple[str, str], ...]
-
-
-def _key(choices: Mapping[str, str]) -> _Key:
-    return tuple(sorted(choices.items()))
 
 
 @frozen_heap()  # NOTE [frozen heap] in forget._measure
@@ -282,9 +235,9 @@ class TreePlanner:
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
         self.frontier = P.tree_frontier(self.tree, unit_bytes=self.unit)
-        # NOTE [close enough]: the search's step in time, a share of the forward's.
+        # NOTE [close enough] in `.search`: the search's step in time, a share of the forward's.
         forward_s = sum(child.forward_s for child in self.tree.root.children)
-        self.tolerance_s = forward_s / _TIME_RESOLUTION
+        self.tolerance_s = tolerance_s(forward_s)
         # Every assignment measured, with its allocator peak (NOTE [tree plans measured]),
         # and those the guard stopped, with the bound they passed (NOTE [guarded steps]).
         self.measured: dict[_Key, tuple[dict[str, str], int]] = {}
@@ -294,6 +247,12 @@ class TreePlanner:
         # The guard's limit on every measured step: the budget being planned; before
         # any, the predicted plain peak (NOTE [planning within the budget]).
         self.limit_bytes = self.plain_peak
+        # The most planning may hold when no budget is being planned (`least`).
+        self.ceiling_bytes = (
+            self.plain_peak
+            if budget is None
+            else resolve_budget(budget, self.plain_peak, self.profile.probe)
+        )
         self._scan: list[dict[str, str]] | None = None  # NOTE [least on demand]
 
     # ------------------------------------------------------------ measuring
@@ -385,15 +344,33 @@ class TreePlanner:
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
     def least(self) -> int:
         """The least allocator peak of any assignment measured, after measuring the two
-        of least memory (NOTE [least on demand]).
+        of least memory and searching below them (NOTE [least on demand]).
 
-        Where every step tried passed the limit, the least feasible budget is
-        not measured: it is then the cost model's least peak, or the least bound
-        a stopped step passed where that is higher (NOTE [planning within the
-        budget]).
+        Its steps run under the planner's ``budget``, or the predicted plain
+        peak without one, whatever budget was planned last. Where every step
+        tried passed that, the least feasible budget is not measured: it is then
+        the cost model's least peak, or the least bound a stopped step passed
+        where that is higher (NOTE [planning within the budget]).
         """
+        limit = self.limit_bytes
+        self.limit_bytes = max(limit, self.ceiling_bytes)
+        try:
+            return self._least()
+        finally:
+            self.limit_bytes = limit
+
+    def _least(self) -> int:
+        """`least` under the limit of the budget being planned."""
         for choices in self._least_points():
             self.peak(choices)  # once each, or again under a limit above the one it passed
+        for _ in range(_MAX_BELOW):  # NOTE [least on demand]: a search below the least
+            least = self._least_measured()
+            if not self.measured or least > self.limit_bytes:
+                break
+            search_frontier(self, least - 1)
+            drop_regions(self, least - 1)
+            if self._least_measured() == least:
+                break
         return self._least_measured()
 
     def _least_points(self) -> list[dict[str, str]]:
@@ -429,66 +406,6 @@ class TreePlanner:
 
         visit(self.tree.root)
         return out
-
-    def _search(self, budget_bytes: int) -> None:
-        """Measure assignments along the frontier near the budget (NOTE [tree plans measured])."""
-        predicted = [peak for peak, _ in self.frontier]
-        extras = [extra for _, extra in self.frontier]
-        lo, hi = -1, len(predicted)  # the last index known to fit, the first known not to
-        i = min(max(bisect_right(predicted, budget_bytes) - 1, 0), hi - 1)
-        step = 1
-        for _ in range(_MAX_PROBES):
-            peak = self.peak(self.choices_at(i))
-            if peak <= budget_bytes:
-                lo, nxt = i, i + step
-            else:
-                # The points below likely miss by as much as this one did: step at least
-                # past the last one predicted to fit with that error.
-                corrected = bisect_right(predicted, budget_bytes - (peak - predicted[i])) - 1
-                hi, nxt = i, min(i - step, corrected)
-                if corrected < 0 and lo < 0:
-                    break  # none is predicted to fit with that error: NOTE [least on demand]
-            step *= 2
-            known = lo >= 0 and hi < len(predicted)
-            if hi - lo <= 1 or (
-                known and predicted[hi] - predicted[lo] <= self.plain_peak // _RESOLUTION
-            ):
-                break
-            # NOTE [close enough]: no point left between them is predicted to save more.
-            if lo >= 0 and extras[lo] - extras[hi - 1] <= self.tolerance_s:
-                break
-            i = nxt if lo < nxt < hi else (lo + hi) // 2
-
-    def _drop_regions(self, budget_bytes: int) -> None:
-        """Measure the cheapest fitting assignment less one region (NOTE [one region fewer])."""
-        missed = any(
-            self.predicted_peak(choices) <= budget_bytes < peak for choices, peak in self.tried()
-        )
-        tries = 0
-        while tries < _MAX_DROPS:
-            fitting = [(c, peak) for c, peak in self.fitting(budget_bytes) if c]
-            if not fitting:
-                return
-            best, best_peak = min(fitting, key=lambda cp: self.extra_s(cp[0]))
-            variants = [{k: v for k, v in best.items() if k != name} for name in best]
-            # Only a variant predicted to save time is worth a step: a region whose option
-            # was timed at no extra cost (regenerate, say) saves nothing dropped.
-            cost = self.extra_s(best)
-            untried = [
-                v for v in variants if _key(v) not in self.measured and self.extra_s(v) < cost
-            ]
-            if not missed:  # the model foresaw every miss: only where it over-predicted
-                error = best_peak - self.predicted_peak(best)
-                untried = [v for v in untried if self.predicted_peak(v) + error <= budget_bytes]
-            else:  # none predicted to miss by more than the model ever over-predicted
-                over = max(self.predicted_peak(c) - peak for c, peak in self.measured.values())
-                untried = [v for v in untried if self.predicted_peak(v) - over <= budget_bytes]
-            for variant in sorted(untried, key=self.predicted_peak)[: _MAX_DROPS - tries]:
-                tries += 1
-                if self.peak(variant) <= budget_bytes:
-                    break  # a cheaper fit: drop from it next
-            else:
-                return
 
     def predicted_peak(self, choices: Mapping[str, str]) -> int:
         """The cost model's peak of ``choices`` (the measured one is `peak`)."""
@@ -578,17 +495,21 @@ class TreePlanner:
         self.limit_bytes = budget_bytes
         plain_fits = budget_bytes >= self.plain_peak and self.peak({}) <= budget_bytes
         if not plain_fits:
-            self._search(budget_bytes)
-            self._drop_regions(budget_bytes)
+            search_frontier(self, budget_bytes)
+            drop_regions(self, budget_bytes)
             if not self.fitting(budget_bytes):
-                self.least()  # NOTE [least on demand]
+                self._least()  # NOTE [least on demand], under this budget
         min_feasible = self._least_measured()
         # NOTE [monotone in the budget]: every assignment measured so far; where the
         # plain step fits, it alone (nothing re-runs).
         fitting = [({}, self.peak({}))] if plain_fits else self.fitting(budget_bytes)
         if not fitting:
-            known = any(peak == min_feasible for _, peak in self.measured.values())
-            how = "measured" if known else "an estimate: no step tried fits the budget"
+            if not any(peak == min_feasible for _, peak in self.measured.values()):
+                how = "an estimate: no step tried fits the budget"
+            elif self.least_searched():
+                how = "measured"
+            else:  # NOTE [planning within the budget]: a step that might need less stopped
+                how = "measured; steps that may need less passed this budget and were stopped"
             raise BudgetInfeasibleError(
                 f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
                 f"{min_feasible:,} B (the least allocator peak of any plan, {how}; "

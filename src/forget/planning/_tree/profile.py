@@ -27,17 +27,40 @@ charged to one node:
 and the step's own inputs are held anyway), less those charged to a candidate
 above ``v``, which hold them whatever ``v`` chooses. What the plain step holds
 beyond the saved bytes (gradients, backward's temporaries, kernel workspaces
-the ledger cannot see) is ``Tree.base_bytes``: the predicted plain peak minus
-the model's, so the keep-all plan predicts the plain peak. The plain step never
-runs: its peak is predicted as the fake run's ledger peak plus the most
-workspace any innermost candidate's step alone takes beyond its storages, by
-the allocator (a convolution's, on CPU too). Fake tensors may take another path
+the ledger cannot see) is each node's work (NOTE [backward work]). The plain
+step never runs: its peak is predicted as the keep-all plan's, or the fake
+run's ledger peak where that is higher (a forward's transients, which the
+model does not see: ``Tree.base_bytes`` is the difference). Fake tensors may take another path
 than real ones where a model reads its data (transformers builds Llama's causal
 mask when it cannot check that the attention mask is all ones): such a
 prediction is high, never trusted (NOTE [tree plans measured]); a model whose
 step cannot run on fake tensors at all (an op whose output depends on the
 data) is profiled on real tensors, with a warning: that needs the plain step's
 memory.
+
+NOTE [backward work]: the backward allocates beyond the saved bytes: the
+gradients of the parameters so far (all of them at backward's end), the
+gradient flowing, each op's temporaries, and kernel workspaces. Counted as one
+figure for the whole step, taken at the plain peak and added to every plan's
+(as ``Tree.base_bytes`` was), it was wrong both ways: a language model's
+plain peak is its loss's backward, the logits' gradient beside every layer
+held, and that figure stood beside every forgotten layer's re-run too (T5 of
+benchmarks/plan_memory.py forgetting every layer: 58,845,188 B predicted,
+41,513,672 B by the allocator; Llama 164 MB for 115 MB), while the ResNet's
+least plans were predicted at 9.2 MB and measured 12.8 MB, their
+gradients at the end unseen. So the fake run's backward is cut where each
+candidate's begins (a pre-hook on its outputs' backward nodes: the first to
+fire, unless a candidate inside it began first), and each segment's ``w`` is
+its ledger peak less the saved bytes still held when it began: everything
+else it holds. The own ops between two children fall in the segment of the
+child before them (the model holds every earlier child then too); a
+candidate's own ops after its last child are its tail (``t``: their saved
+bytes, freed before any child's backward: the loss's log-probabilities). A
+kernel's workspace, by the allocator beyond the ledger in an innermost
+candidate's step alone, is added to its ``w``. The same plans were then
+predicted at 42,536,964 B for 41,513,672 B (T5), 118 MB for 115 MB (Llama),
+12,828,972 B for 12,763,440 B (ResNet): within 1 to 7 %, above
+(benchmarks/measured.md, "The backward's work").
 Times: a node's ``forward_s`` is what its call takes within whole forwards of
 the model without grad (NOTE [forwards timed whole] in `.alone`), the median
 over ``repeats`` of them and over its alike modules (NOTE [alike stages]),
@@ -90,8 +113,8 @@ class TreeProfile:
     """A step's candidate tree, its figures, and the plain step's predicted peaks.
 
     The plain step never runs (NOTE [tree figures]): its ledger peak is the
-    fake run's, and its allocator peak that plus the most workspace any
-    candidate's step alone took beyond its storages.
+    fake run's, and its allocator peak the keep-all plan's in the cost model,
+    workspaces included (NOTE [backward work]), or that ledger peak if higher.
     """
 
     tree: P.Tree
@@ -138,7 +161,7 @@ def profile_tree(
     with untouched(target):
         try:
             with faked(step) as fake:
-                first, names, layouts, own, inputs, ledger_peak = _bytes(
+                first, names, layouts, counted = _bytes(
                     fake, names, candidates is not None, "on fake tensors"
                 )
                 floor = _gradient_bytes(fake.state.values())
@@ -154,12 +177,13 @@ def profile_tree(
                 stacklevel=3,
             )
             zero_grads(target)  # backward accumulates into .grad: untouched restores the objects
-            first, names, layouts, own, inputs, ledger_peak = _bytes(
+            first, names, layouts, counted = _bytes(
                 step, names, candidates is not None, "on real tensors"
             )
             floor = _gradient_bytes(model.parameters())
         parent = parents(names)
         rep_of = _alike(model, names, layouts)
+        ledger_peak = counted.ledger_peak
         zero_grads(target)
         # NOTE [planning within the budget]: the runs on real tensors that are not timed
         # run under the guard; a share of the plain peak is taken of the fake run's
@@ -177,7 +201,7 @@ def profile_tree(
             # budget: the profile, and so the plan, is then the same at every budget
             # (NOTE [heavy modules] in `.alone`).
             alone_limit = None if limit is None else max(limit, ledger_peak)
-            times, gap, figures = alone_figures(
+            times, workspace, figures = alone_figures(
                 step, names, rep_of, layouts, parent, policies, repeats, limit, alone_limit, probe
             )
         except Overrun as exc:
@@ -194,8 +218,10 @@ def profile_tree(
                 budget_bytes=limit_bytes,
                 min_feasible_bytes=live_bytes,
             )
-        options = _options(names, rep_of, figures, policies, own, inputs, parent)
-    plain_peak = ledger_peak + gap
+        # NOTE [backward work]: a kernel's workspace counts in its module's work.
+        for name in names:
+            counted.work[name] = counted.work.get(name, 0) + workspace.get(rep_of[name], 0)
+        options = _options(names, rep_of, figures, policies, counted, parent)
     children: dict[str, list[str]] = {ROOT: [], **{n: [] for n in names}}
     for name in names:
         children[parent[name]].append(name)
@@ -204,32 +230,37 @@ def profile_tree(
         return P.TreeNode(
             name,
             tuple(node(c) for c in children[name]),
-            own_bytes=own[name],
-            input_bytes=inputs.get(name, 0),
+            own_bytes=counted.own[name],
+            input_bytes=counted.inputs.get(name, 0),
             forward_s=times.get(name, 0.0),
             options=options.get(name, ()),
             can_forget=name != ROOT,
+            work_bytes=counted.work.get(name, 0),
+            tail_bytes=counted.tail[name],
         )
 
     root = node(ROOT)
+    # NOTE [backward work]: what the model misses of the ledger's peak (a forward's
+    # transients) is held everywhere.
     predicted = P.tree_figures(P.Tree(root), {}).peak_bytes
-    tree = P.Tree(root, base_bytes=max(0, plain_peak - predicted), floor_bytes=floor)
+    plain_peak = max(predicted, ledger_peak)
+    tree = P.Tree(root, base_bytes=plain_peak - predicted, floor_bytes=floor)
     return TreeProfile(tree, plain_peak, ledger_peak, probe, tuple(real))
 
 
 def _bytes(
     step: _FakeStep | TreeStep, names: list[str], named: bool, where: str
-) -> tuple[list[Call], list[str], dict[str, _Layout], dict[str, int], dict[str, int], int]:
-    """The step's calls, its candidates, their inputs' layouts, own and input bytes, ledger peak."""
+) -> tuple[list[Call], list[str], dict[str, _Layout], _Bytes]:
+    """The step's calls, its candidates, their inputs' layouts, and their bytes."""
     model = step.model
     with traced(model) as first:
         calls, layouts = _count(step, names)
     names = _called_once(names, calls, named=named)
     parent = parents(names)
     with traced(model) as again:
-        own, inputs, ledger_peak = _attribute(step, names, parent)
+        figures = _attribute(step, names, parent)
     check_same_calls(model, first, again, f"second run (under the ledger, {where})")
-    return first, names, layouts, own, inputs, ledger_peak
+    return first, names, layouts, figures
 
 
 def _gradient_bytes(parameters: Iterable[Tensor]) -> int:
@@ -342,15 +373,71 @@ def _called_once(names: list[str], calls: Mapping[str, int], named: bool) -> lis
     return kept
 
 
-def _attribute(
-    step: _FakeStep | TreeStep, names: list[str], parent: Mapping[str, str]
-) -> tuple[dict[str, int], dict[str, int], int]:
-    """Own and input bytes per node (NOTE [tree figures]) and the plain step's ledger peak."""
+class _Work:
+    """Each candidate's backward work: what its segment of backward allocates beyond the
+    saved bytes still held when it begins (NOTE [backward work])."""
+
+    def __init__(self, ledger: Ledger, parent: Mapping[str, str]) -> None:
+        self.ledger, self.parent = ledger, parent
+        self.work: dict[str, int] = {}
+        self.begun: set[str] = set()
+        self.saved: dict[int, StorageRecord] = {}
+        self.segment: tuple[str, Any, int] | None = None  # name, ledger entry, saved at start
+
+    def start(self, saved: Iterable[StorageRecord]) -> None:
+        """The loss is made: what is alive now is saved; the root's segment begins."""
+        kept = set(saved)
+        self.saved = {k: rec for k, rec in self.ledger.records().items() if rec in kept}
+        self._open(ROOT)
+
+    def mark(self, name: str) -> Callable[..., None]:
+        """A prehook on a candidate's output's backward node: its segment begins there."""
+
+        def hook(*_: Any) -> None:
+            if name not in self.begun:  # not begun, nor any candidate inside it
+                self._close()
+                self._open(name)
+
+        return hook
+
+    def stop(self) -> None:
+        self._close()
+
+    def _open(self, name: str) -> None:
+        self.begun.update((name, *ancestors(name, self.parent)) if name != ROOT else (ROOT,))
+        records = self.ledger.records()
+        held = sum(rec.counted for k, rec in self.saved.items() if records.get(k) is rec)
+        self.segment = (name, self.ledger.enter(f"backward {name}"), held)
+
+    def _close(self) -> None:
+        if self.segment is not None:
+            name, entry, held = self.segment
+            self.ledger.exit(entry)
+            self.work[name] = max(self.work.get(name, 0), entry.peak - held)
+            self.segment = None
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """Per candidate: own, input, work and tail bytes; and the plain step's ledger peak."""
+
+    own: dict[str, int]
+    inputs: dict[str, int]
+    work: dict[str, int]
+    tail: dict[str, int]
+    ledger_peak: int
+
+
+def _attribute(step: _FakeStep | TreeStep, names: list[str], parent: Mapping[str, str]) -> _Bytes:
+    """Each candidate's bytes (NOTE [tree figures], NOTE [backward work])."""
     ledger = Ledger(fake=isinstance(step, _FakeStep))
+    work = _Work(ledger, parent)
     entries: dict[str, list[Any]] = {n: [] for n in names}
     # Ledger records (held, so their ids stay theirs) of made storages taken / returned.
     taken: dict[str, dict[int, tuple[StorageRecord, int]]] = {n: {} for n in names}
     returned: dict[str, dict[int, StorageRecord]] = {n: {} for n in names}
+    # Per candidate, the storages alive when its last child returned: not its tail's.
+    before_tail: dict[str, set[StorageRecord]] = {}
 
     def made(value: Any) -> list[tuple[StorageRecord, int]]:
         records = ledger.records()
@@ -373,6 +460,10 @@ def _attribute(
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             ledger.exit(entries[name].pop())
             returned[name].update((id(rec), rec) for rec, _ in made(output))
+            before_tail[parent[name]] = set(ledger.records().values())  # NOTE [backward work]
+            leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+            for node in {t.grad_fn for t in leaves if t.grad_fn is not None}:
+                node.register_prehook(work.mark(name))
 
         return hook
 
@@ -385,7 +476,9 @@ def _attribute(
         with watch(ledger):
             loss = step.loss()
             live = [rec for rec in ledger.records().values() if rec.counted and rec.op]
+            work.start(live)
             loss.backward()
+            work.stop()
             del loss
         peak = ledger.peak
     finally:
@@ -397,6 +490,7 @@ def _attribute(
         for key in taken[name]:
             users.setdefault(key, []).append(name)
     own = {ROOT: 0, **{n: 0 for n in names}}
+    tail = dict(own)
     owner_of: dict[int, str] = {}
     for rec in live:
         key = id(rec)
@@ -409,6 +503,8 @@ def _attribute(
                 owner = parent[owner]
         owner_of[key] = owner
         own[owner] += rec.counted
+        if rec not in before_tail.get(owner, ()):
+            tail[owner] += rec.counted
     inputs = {
         name: sum(
             n
@@ -417,7 +513,7 @@ def _attribute(
         )
         for name in names
     }
-    return own, inputs, peak
+    return _Bytes(own, inputs, work.work, tail, peak)
 
 
 def _innermost(users: list[str], parent: Mapping[str, str]) -> str:
@@ -447,8 +543,7 @@ def _options(
     rep_of: Mapping[str, str],
     figures: Mapping[str, Mapping[str, tuple[int, float]]],
     policies: Mapping[str, Policy],
-    own: Mapping[str, int],
-    inputs: Mapping[str, int],
+    counted: _Bytes,
     parent: Mapping[str, str],
 ) -> dict[str, tuple[P.TreeOption, ...]]:
     """The innermost candidates' leaf options, measured on each alone (NOTE [tree figures])."""
@@ -456,12 +551,16 @@ def _options(
         return {}
     held: dict[str, int] = {}
     peak: dict[str, int] = {}
+    own, inputs = counted.own, counted.inputs
     for name in reversed(names):  # children before parents: keep-all figures bottom up
         running = most = 0
         for kid in (n for n in names if parent[n] == name):
             most = max(most, running + peak[kid])
             running += held[kid]
-        held[name], peak[name] = own[name] + running, own[name] + most
+        held[name] = own[name] + running
+        # NOTE [backward work]: the work on every child held; the tail freed after it.
+        work = own[name] + running + counted.work.get(name, 0)
+        peak[name] = max(work, own[name] - counted.tail[name] + most)
     # Alike modules share their options' figures (NOTE [alike stages]): measured once.
     out: dict[str, tuple[P.TreeOption, ...]] = {}
     inner = set(names) - set(parent.values())
