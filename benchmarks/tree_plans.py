@@ -100,9 +100,8 @@ def main() -> None:
         with _clock.using(_clock.FixedClock()):
             planner = TreePlanner(model, (), inputs, repeats=1)
             for budget in args.budgets.split(","):
-                value = planner.plan(planner.plain_peak).min_feasible_bytes
                 try:
-                    plan = planner.plan(value if budget == "min" else budget)
+                    plan = planner.plan(planner.least() if budget == "min" else budget)
                 except forget.BudgetInfeasibleError as error:
                     print(f"{name:<7} {budget:>7} {error.budget_bytes:>10,} infeasible: "
                           f"least {error.min_feasible_bytes:,} B")  # fmt: skip

@@ -176,7 +176,7 @@ def alone_figures(
     limit: int | None,
     alone_limit: int | None,
     probe: str,
-) -> tuple[dict[str, float], dict[str, int], dict[str, dict[str, tuple[int, float]]]]:
+) -> tuple[dict[str, float], dict[str, int], dict[str, dict[str, tuple[int, int, float]]]]:
     """Times (`forward_times`), then workspace and options' figures, one innermost
     representative at a time (NOTE [alike stages]): per candidate its seconds, per
     representative its workspace bytes and its options' figures.
@@ -202,7 +202,7 @@ def alone_figures(
     fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
     times = forward_times(step, names, rep_of, repeats)
     inner = set(names) - set(parent.values())
-    figures: dict[str, dict[str, tuple[int, float]]] = {}
+    figures: dict[str, dict[str, tuple[int, int, float]]] = {}
     workspace: dict[str, int] = {}
     # Only the innermost kinds run alone: for their workspace and options.
     reps = [rep for rep in dict.fromkeys(rep_of.values()) if rep in inner]
@@ -210,7 +210,7 @@ def alone_figures(
         left = None if alone_limit is None else alone_limit - held
         # Bytes first, under the guard: a module whose step alone passes the budget
         # (NOTE [heavy modules]) is offered no option.
-        offered: dict[str, int] = {}
+        offered: dict[str, tuple[int, int]] = {}
         alone = _Alone(model.get_submodule(rep), args, kwargs)
         try:
             with guard(left, probe):
@@ -356,8 +356,22 @@ class _Alone:
         self.clear()
         return max(0, by_allocator - ledger.peak)
 
-    def option_bytes(self, policies: Mapping[str, Policy]) -> dict[str, int]:
-        """Per option offered, the bytes it saves fewer than keeping.
+    def peak_bytes(self, policy: Policy | None) -> int:
+        """The ledger's peak of the module's step alone, under ``policy``."""
+        self.clear()
+
+        def step() -> None:
+            loss = self.loss(policy)
+            if loss.requires_grad:
+                loss.backward()
+
+        peak = measure(step).peak_bytes
+        self.clear()
+        return peak
+
+    def option_bytes(self, policies: Mapping[str, Policy]) -> dict[str, tuple[int, int]]:
+        """Per option offered, the bytes it saves fewer than keeping: held from forward to
+        backward, and at its step's peak (NOTE [options' peaks]).
 
         An option that saves nothing is left out: keeping does as well at no extra
         time. So is a policy region that keeps no more than a forgotten one (a
@@ -379,12 +393,22 @@ class _Alone:
                 if held[name] <= forgotten:
                     continue
             offered[name] = kept - held[name]
-        return offered
+        if not offered:
+            return {}
+        plain = self.peak_bytes(None)
+        return {
+            name: (saves, max(0, plain - self.peak_bytes(policies[name])))
+            for name, saves in offered.items()
+        }
 
     def option_times(
-        self, offered: Mapping[str, int], policies: Mapping[str, Policy], repeats: int
-    ) -> dict[str, tuple[int, float]]:
-        """Per option offered, its bytes saved and the seconds it adds to a step.
+        self,
+        offered: Mapping[str, tuple[int, int]],
+        policies: Mapping[str, Policy],
+        repeats: int,
+    ) -> dict[str, tuple[int, int, float]]:
+        """Per option offered, its bytes saved (held, at the peak) and the seconds it adds
+        to a step.
 
         Each is timed side by side with the plain step (`time_calls`), by the
         median over rounds of its time less the plain step's in the same round.
@@ -405,7 +429,7 @@ class _Alone:
             name: max(0.0, statistics.median(t - p for t, p in zip(times, plain, strict=True)))
             for name, times in rounds.items()
         }
-        return {name: (saves, extra[name]) for name, saves in offered.items()}
+        return {name: (*saves, extra[name]) for name, saves in offered.items()}
 
 
 def _run_option(

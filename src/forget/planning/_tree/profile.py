@@ -61,6 +61,19 @@ candidate's step alone, is added to its ``w``. The same plans were then
 predicted at 42,536,964 B for 41,513,672 B (T5), 118 MB for 115 MB (Llama),
 12,828,972 B for 12,763,440 B (ResNet): within 1 to 7 %, above
 (benchmarks/measured.md, "The backward's work").
+
+NOTE [options' peaks]: a leaf option's peak was its node's kept peak (plus
+its inputs, for a policy region that re-runs on them). Regenerate peaks
+lower: it rebuilds the activations one use at a time, not all at once. On
+BERT of benchmarks/tree_targets.py the last layer regenerated was predicted
+at 55,856,036 B and measured at 53,896,224 B, and at 50 % the planner missed a
+plan 1.1 times faster than the one it chose, predicted past the budget by
+2.5 MB and measured within it. So each option's step alone is measured at
+its peak too (the ledger's, `_Alone.peak_bytes`), and its peak in the tree
+is the kept one less what it peaked lower alone: the same step then
+predicted 54,420,512 B. What is left over: a regenerated layer's input,
+which no op of that layer saves then, is still counted held (0.5 MB a layer
+there).
 Times: a node's ``forward_s`` is what its call takes within whole forwards of
 the model without grad (NOTE [forwards timed whole] in `.alone`), the median
 over ``repeats`` of them and over its alike modules (NOTE [alike stages]),
@@ -541,7 +554,7 @@ def _signature(module: nn.Module, layout: _Layout) -> tuple[Any, ...]:
 def _options(
     names: list[str],
     rep_of: Mapping[str, str],
-    figures: Mapping[str, Mapping[str, tuple[int, float]]],
+    figures: Mapping[str, Mapping[str, tuple[int, int, float]]],
     policies: Mapping[str, Policy],
     counted: _Bytes,
     parent: Mapping[str, str],
@@ -567,12 +580,14 @@ def _options(
     for name in (n for n in names if n in inner):
         rep = rep_of[name]
         options = []
-        for option, (saves, extra_s) in figures[rep].items():
+        for option, (saves, lower, extra_s) in figures[rep].items():
             policy = policies[option]
             option_held = max(0, held[name] - saves)
-            # A policy region re-runs in backward on top of its inputs, as a forgotten
-            # node does; regenerate rebuilds its outputs within the kept peak.
-            option_peak = peak[name] + (0 if policy.regenerate else inputs.get(name, 0))
+            # NOTE [options' peaks]: the kept peak, less what the option's step alone
+            # peaked lower; a policy region re-runs in backward on top of its inputs, as
+            # a forgotten node does, which its step alone did not hold.
+            rerun = 0 if policy.regenerate else inputs.get(name, 0)
+            option_peak = peak[name] - lower + rerun
             options.append(
                 P.TreeOption(
                     option,
