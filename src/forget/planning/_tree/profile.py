@@ -71,9 +71,11 @@ plan 1.1 times faster than the one it chose, predicted past the budget by
 2.5 MB and measured within it. So each option's step alone is measured at
 its peak too (the ledger's, `_Alone.peak_bytes`), and its peak in the tree
 is the kept one less what it peaked lower alone: the same step then
-predicted 54,420,512 B. What is left over: a regenerated layer's input,
-which no op of that layer saves then, is still counted held (0.5 MB a layer
-there).
+predicted 54,420,512 B. What is left over: where a layer's input is a
+LayerNorm's output (BERT's layers, each ending in one), regenerating the
+layer rebuilds that input too, which its step alone, on captured inputs no
+LayerNorm made, cannot show; it is still counted held (0.5 MB a layer there,
+NOTE [regenerate] in `forget.engine`).
 Times: a node's ``forward_s`` is what its call takes within whole forwards of
 the model without grad (NOTE [forwards timed whole] in `.alone`), the median
 over ``repeats`` of them and over its alike modules (NOTE [alike stages]),
