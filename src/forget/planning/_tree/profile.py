@@ -30,13 +30,32 @@ beyond the saved bytes (gradients, backward's temporaries, kernel workspaces
 the ledger cannot see) is each node's work (NOTE [backward work]). The plain
 step never runs: its peak is predicted as the keep-all plan's, or the fake
 run's ledger peak where that is higher (a forward's transients, which the
-model does not see: ``Tree.base_bytes`` is the difference). Fake tensors may take another path
-than real ones where a model reads its data (transformers builds Llama's causal
-mask when it cannot check that the attention mask is all ones): such a
-prediction is high, never trusted (NOTE [tree plans measured]); a model whose
-step cannot run on fake tensors at all (an op whose output depends on the
-data) is profiled on real tensors, with a warning: that needs the plain step's
-memory.
+model does not see: ``Tree.base_bytes`` is the difference). Fake tensors may
+take another path than real ones where a model reads its data (transformers
+builds Llama's causal mask when it cannot check that the attention mask is all
+ones): such a prediction is high, never trusted (NOTE [tree plans measured]); a
+model whose step cannot run on fake tensors at all (an op whose output depends
+on the data) is profiled on real tensors, with a warning: that needs the plain
+step's memory.
+
+Times: a node's ``forward_s`` is what its call takes within whole forwards of
+the model without grad (NOTE [forwards timed whole] in `.alone`), the median
+over ``repeats`` of them and over its alike modules (NOTE [alike stages]),
+plus the fixed cost of a region (NOTE [time of a region]). A leaf option's
+figures (a policy keep, regenerate) are measured on the module alone, once
+per kind of alike modules, on real inputs captured by a forward without grad
+stopped at that module: the bytes it saves fewer than keeping, and its step's
+extra time, and how much lower than keeping its step peaks (NOTE [options'
+peaks]). Options are offered on the innermost candidates only (the layers,
+stems and heads; no candidate below them): an option fixes its node's whole
+subtree, which the children's own options nearly compose
+(one region instead of one per child), while timing it costs a run of the
+whole subtree: on a 4-layer Llama the decoder stack's options took half the
+options' time. Alike modules are measured once. An option that saves nothing
+over keeping is not offered (keeping does as well at no extra time), nor a
+policy region that keeps no more than a forgotten one (a selective keep of
+matmul outputs around a convolution block or a norm: forgetting does as well,
+on the faster path).
 
 NOTE [backward work]: the backward allocates beyond the saved bytes: the
 gradients of the parameters so far (all of them at backward's end), the
@@ -76,23 +95,6 @@ LayerNorm's output (BERT's layers, each ending in one), regenerating the
 layer rebuilds that input too, which its step alone, on captured inputs no
 LayerNorm made, cannot show; it is still counted held (0.5 MB a layer there,
 NOTE [regenerate] in `forget.engine`).
-Times: a node's ``forward_s`` is what its call takes within whole forwards of
-the model without grad (NOTE [forwards timed whole] in `.alone`), the median
-over ``repeats`` of them and over its alike modules (NOTE [alike stages]),
-plus the fixed cost of a region (NOTE [time of a region]). A leaf option's
-figures (a policy keep, regenerate) are measured on the module alone, once
-per kind of alike modules, on real inputs captured by a forward without grad
-stopped at that module: the bytes it saves fewer than keeping, and its step's
-extra time. Options are offered on the innermost candidates
-only (the layers, stems and heads; no candidate below them): an option fixes
-its node's whole subtree, which the children's own options nearly compose
-(one region instead of one per child), while timing it costs a run of the
-whole subtree: on a 4-layer Llama the decoder stack's options took half the
-options' time. Alike modules are measured once. An option that saves nothing
-over keeping is not offered (keeping does as well at no extra time), nor a
-policy region that keeps no more than a forgotten one (a selective keep of
-matmul outputs around a convolution block or a norm: forgetting does as well,
-on the faster path).
 """
 
 from __future__ import annotations

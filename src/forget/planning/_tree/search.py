@@ -25,7 +25,8 @@ it would fit. Where the model predicts peaks well that loses nothing; where it
 does not, it can lose the plan: on the ResNet of benchmarks/tree_targets.py at
 75 %, frontier points forgetting the early stages' convolutions were predicted
 at 14.7 to 15.4 MB and measured at 17.4 to 18.0 MB (the convolutions'
-workspaces, which the ledger behind the figures does not see), so the search
+workspaces, which the figures did not count then: NOTE [backward work] in
+`.profile`), so the search
 fell back to a point forgetting five modules, while forgetting the first four
 layers, which the model put behind those points, fits at 15.4 MB: the chosen
 plan's overhead was 1.04 to 1.15 times that one's (three runs). So where the
