@@ -25,7 +25,7 @@ inside a child) and ``c_1 .. c_k`` its children:
   ``peak = max(a + Σ_i held(c_i) + w, a - t + max_i (Σ_{j<i} held(c_j) + peak(c_i)))``
   (``a + w`` without children), and ``extra = Σ extra(c_i)``. The work of
   the own ops between children is counted in the child's backward that runs
-  just before it (NOTE [backward work] in `forget.planning`).
+  just before it (NOTE [backward work] in `forget.planning._tree.profile`).
 * ``"forget"``: the forward keeps only the node's inputs, ``held = in``
   (`TreeNode.input_bytes`); the backward re-runs the subtree's forward, the
   children taking their own choices, then runs as ``"keep"`` would, on top of

@@ -356,7 +356,7 @@ class _Alone:
         self.clear()
         return max(0, by_allocator - ledger.peak)
 
-    def peak_bytes(self, policy: Policy | None) -> int:
+    def step_peak_bytes(self, policy: Policy | None) -> int:
         """The ledger's peak of the module's step alone, under ``policy``."""
         self.clear()
 
@@ -395,9 +395,9 @@ class _Alone:
             offered[name] = kept - held[name]
         if not offered:
             return {}
-        plain = self.peak_bytes(None)
+        plain = self.step_peak_bytes(None)
         return {
-            name: (saves, max(0, plain - self.peak_bytes(policies[name])))
+            name: (saves, max(0, plain - self.step_peak_bytes(policies[name])))
             for name, saves in offered.items()
         }
 

@@ -88,7 +88,7 @@ BERT of benchmarks/tree_targets.py the last layer regenerated was predicted
 at 55,856,036 B and measured at 53,896,224 B, and at 50 % the planner missed a
 plan 1.1 times faster than the one it chose, predicted past the budget by
 2.5 MB and measured within it. So each option's step alone is measured at
-its peak too (the ledger's, `_Alone.peak_bytes`), and its peak in the tree
+its peak too (the ledger's, `_Alone.step_peak_bytes`), and its peak in the tree
 is the kept one less what it peaked lower alone: the same step then
 predicted 54,420,512 B. What is left over: where a layer's input is a
 LayerNorm's output (BERT's layers, each ending in one), regenerating the
