@@ -235,12 +235,12 @@ def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypa
     figures = {tuple((o.name, o.held_bytes, o.extra_s) for o in layer.options) for layer in layers}
     assert len(figures) == 1
     # Against a kept layer's peak in its backward: a selective region re-runs on its
-    # inputs, and peaked no lower alone; regenerating rebuilds one use at a time and
-    # peaks lower (NOTE [options' peaks]).
+    # inputs, and its step alone peaked higher (its re-run beside what it kept);
+    # regenerating rebuilds one use at a time and peaks lower (NOTE [options' peaks]).
     keep = [layer.own_bytes + layer.work_bytes for layer in layers]
     peaks = {tuple(o.peak_bytes - k for o in n.options) for n, k in zip(layers, keep, strict=True)}
     ((selective, regenerate),) = peaks
-    assert selective == layers[0].input_bytes and regenerate < 0
+    assert selective > layers[0].input_bytes and regenerate < 0
     options = layers[0].options
     assert [o.name for o in options] == ["selective", "regenerate"]
     assert all(o.held_bytes < layers[0].own_bytes for o in options)

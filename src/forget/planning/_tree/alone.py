@@ -370,8 +370,9 @@ class _Alone:
         return peak
 
     def option_bytes(self, policies: Mapping[str, Policy]) -> dict[str, tuple[int, int]]:
-        """Per option offered, the bytes it saves fewer than keeping: held from forward to
-        backward, and at its step's peak (NOTE [options' peaks]).
+        """Per option offered, the bytes it saves fewer than keeping, held from forward to
+        backward, and how much higher its step alone peaks (NOTE [options' peaks]:
+        below 0 where lower).
 
         An option that saves nothing is left out: keeping does as well at no extra
         time. So is a policy region that keeps no more than a forgotten one (a
@@ -397,7 +398,7 @@ class _Alone:
             return {}
         plain = self.step_peak_bytes(None)
         return {
-            name: (saves, max(0, plain - self.step_peak_bytes(policies[name])))
+            name: (saves, self.step_peak_bytes(policies[name]) - plain)
             for name, saves in offered.items()
         }
 
@@ -407,8 +408,8 @@ class _Alone:
         policies: Mapping[str, Policy],
         repeats: int,
     ) -> dict[str, tuple[int, int, float]]:
-        """Per option offered, its bytes saved (held, at the peak) and the seconds it adds
-        to a step.
+        """Per option offered, its bytes saved, how much higher its step peaks, and the
+        seconds it adds to a step.
 
         Each is timed side by side with the plain step (`time_calls`), by the
         median over rounds of its time less the plain step's in the same round.

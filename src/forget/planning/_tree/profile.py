@@ -82,14 +82,17 @@ predicted at 42,536,964 B for 41,513,672 B (T5), 118 MB for 115 MB (Llama),
 (benchmarks/measured.md, "The backward's work").
 
 NOTE [options' peaks]: a leaf option's peak was its node's kept peak (plus
-its inputs, for a policy region that re-runs on them). Regenerate peaks
-lower: it rebuilds the activations one use at a time, not all at once. On
-BERT of benchmarks/tree_targets.py the last layer regenerated was predicted
-at 55,856,036 B and measured at 53,896,224 B, and at 50 % the planner missed a
-plan 1.1 times faster than the one it chose, predicted past the budget by
-2.5 MB and measured within it. So each option's step alone is measured at
-its peak too (the ledger's, `_Alone.step_peak_bytes`), and its peak in the tree
-is the kept one less what it peaked lower alone: the same step then
+its inputs, for a policy region that re-runs on them). But regenerate peaks
+lower (it rebuilds the activations one use at a time, not all at once), and
+a selective region can peak higher (its re-run's outputs beside the kept
+ones: a layer of tests/_tree_models.py's BERT, alone, 1,514,512 B against
+1,288,584 B kept). On BERT of benchmarks/tree_targets.py the last layer
+regenerated was predicted at 55,856,036 B and measured at 53,896,224 B, and
+at 50 % the planner missed a plan 1.1 times faster than the one it chose,
+predicted past the budget by 2.5 MB and measured within it. So each option's
+step alone is measured at its peak too (the ledger's,
+`_Alone.step_peak_bytes`), and its peak in the tree is the kept one plus
+what it peaked above keeping alone (less, where lower): the same step then
 predicted 54,420,512 B. What is left over: where a layer's input is a
 LayerNorm's output (BERT's layers, each ending in one), regenerating the
 layer rebuilds that input too, which its step alone, on captured inputs no
@@ -584,14 +587,14 @@ def _options(
     for name in (n for n in names if n in inner):
         rep = rep_of[name]
         options = []
-        for option, (saves, lower, extra_s) in figures[rep].items():
+        for option, (saves, higher, extra_s) in figures[rep].items():
             policy = policies[option]
             option_held = max(0, held[name] - saves)
-            # NOTE [options' peaks]: the kept peak, less what the option's step alone
-            # peaked lower; a policy region re-runs in backward on top of its inputs, as
-            # a forgotten node does, which its step alone did not hold.
+            # NOTE [options' peaks]: the kept peak, and what the option's step alone
+            # peaked above keeping's; a policy region re-runs in backward on top of its
+            # inputs, as a forgotten node does, which its step alone did not hold.
             rerun = 0 if policy.regenerate else inputs.get(name, 0)
-            option_peak = peak[name] - lower + rerun
+            option_peak = peak[name] + higher + rerun
             options.append(
                 P.TreeOption(
                     option,
