@@ -143,7 +143,7 @@ def test_the_least_is_searched_for_only_where_wanted():
         assert all(_key(choices) in planner.stopped for choices in scan)
         assert error.value.min_feasible_bytes == plan.min_feasible_bytes  # known to fit
         assert not planner.plan("75%").least_searched
-        least = planner.least()  # under the last budget, 75 %: measured
+        least = planner.least()  # under the predicted plain peak (no budget given): measured
         assert planner.least_searched() and least <= plan.min_feasible_bytes
         again = planner.plan("75%")
         assert again.least_searched and again.min_feasible_bytes == least
