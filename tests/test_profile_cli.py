@@ -140,8 +140,8 @@ def test_profile_takes_the_factory_plan_takes(factory_dir, fixed_clock, capsys):
     # A layer keeps its first Linear's and GELU's outputs, 2 x 16 x 32 floats, and its
     # input, 16 x 8 floats, which is all it holds when forgotten (the first layer's input
     # is the batch, alive anyway); the fixed clock gives every module 1 ms. Its backward's
-    # work holds the gradients of every parameter so far: each layer's 552 floats more
-    # than the layer after it.
+    # work holds the gradients of the parameters after it: layer 0's is layer 1's and the
+    # gradients of layer 1's 552 parameters.
     assert lines[4:7] == [
         "  layers.0 (Sequential)         4,096             0         8,516      1.000",
         "  layers.1 (Sequential)         4,608           512         6,308      1.000",
