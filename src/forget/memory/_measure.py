@@ -277,8 +277,6 @@ class AllocatorRecord:
         lingers: whether forget's next allocator probe on the thread may stop it.
     """
 
-    MARK = _MARK
-
     def __init__(
         self, on_stop: Callable[[AllocatorReading], None] | None = None, *, lingers: bool = True
     ) -> None:
@@ -324,7 +322,7 @@ class AllocatorRecord:
     def mark(self, name: str) -> None:
         """Note this instant in the record as ``name``."""
         if self.running:
-            with torch.autograd.profiler.record_function(self.MARK + name):
+            with torch.autograd.profiler.record_function(_MARK + name):
                 self.marks.add(name)
 
     def stop(self) -> AllocatorReading:

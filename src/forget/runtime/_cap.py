@@ -62,10 +62,11 @@ from ..errors import ForgetError
 from ..memory import AllocatorReading
 from ..planning import find_candidates, is_wrapped
 from ..schedules import parse_budget
+from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
 from ._reads import READ_ALLOCATOR, Reads
 from ._report import StepReport
-from ._steps import EVICTIONS, Step
+from ._steps import Step
 
 __all__ = ["Cap", "cap"]
 
@@ -373,7 +374,7 @@ class Cap:
     # -- the allocator's record (NOTE [what the count misses]) -------------------
     def _start_record(self, target: Step | _Repeat) -> None:
         on_stop = functools.partial(self._recorded, target)
-        record = self._reads.start(target, on_stop, isinstance(target, _Repeat))
+        record = self._reads.start(target, on_stop)
         if record is not None and isinstance(target, Step):
             target.mark = record.mark
 

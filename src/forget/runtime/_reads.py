@@ -72,15 +72,17 @@ class Reads:
         self._over: set[int] = set()  # input sizes whose latest read passed its cap
 
     def start(
-        self, target: _Target, on_stop: Callable[[AllocatorReading], None], repeated: bool
+        self, target: _Target, on_stop: Callable[[AllocatorReading], None]
     ) -> AllocatorRecord | None:
-        """Open a record for the step ``target`` where it is to be read; the record, or None."""
+        """Open a record for the step ``target`` where it is to be read; the record, or None.
+
+        A step repeating a decision (NOTE [steps of known shapes]) comes here only
+        where every step is read.
+        """
         elements = target.input_elements
         if target.cuda is not None or self.when == "never" or self.record is not None:
             return None
-        if self.when == "largest" and (
-            repeated or (elements <= self._most and elements not in self._over)
-        ):
+        if self.when == "largest" and elements <= self._most and elements not in self._over:
             return None
         # The record and the optimizer's hook reach this object weakly: a record left
         # open by a cap no longer used holds neither it nor its step's graph.

@@ -111,7 +111,7 @@ from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensor_bytes, tensors_in
 from ._report import StepReport
 
-__all__ = ["EVICTIONS", "Step"]
+__all__ = ["Step"]
 
 # How many regions ahead the forward's reserve looks, in the last step's order.
 _AHEAD = 3

@@ -404,10 +404,10 @@ class _Work:
         self.saved: dict[int, StorageRecord] = {}
         self.segment: tuple[str, Any, int] | None = None  # name, ledger entry, saved at start
 
-    def start(self, saved: Iterable[StorageRecord]) -> None:
-        """The loss is made: what is alive now is saved; the root's segment begins."""
-        kept = set(saved)
-        self.saved = {k: rec for k, rec in self.ledger.records().items() if rec in kept}
+    def start(self, saved: dict[int, StorageRecord]) -> None:
+        """The loss is made: ``saved`` (storage id -> record) is alive now, held for
+        backward; the root's segment begins."""
+        self.saved = saved
         self._open(ROOT)
 
     def mark(self, name: str) -> Callable[..., None]:
@@ -495,8 +495,9 @@ def _attribute(step: _FakeStep | TreeStep, names: list[str], parent: Mapping[str
     try:
         with watch(ledger):
             loss = step.loss()
-            live = [rec for rec in ledger.records().values() if rec.counted and rec.op]
-            work.start(live)
+            saved = {k: rec for k, rec in ledger.records().items() if rec.counted and rec.op}
+            live = list(saved.values())
+            work.start(saved)
             loss.backward()
             work.stop()
             del loss
