@@ -352,7 +352,9 @@ class Cap:
                 self._known[key] = _Decision(self._history[-1])
             self._seen.add(key)
 
-    def _begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
+    def _begin(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Any, ...] | None = None
+    ) -> Step:
         self._close_previous()
         step = Step(
             self.model,
@@ -364,6 +366,7 @@ class Cap:
             self.eviction,
             self._walks,
         )
+        step.key = key  # NOTE [forward reaches]: the reaches read at these shapes
         if step.cuda is not None:
             torch.cuda.reset_peak_memory_stats(step.cuda)
         else:
@@ -406,9 +409,8 @@ class Cap:
         known = self._known.get(key) if key is not None else None
         if key is not None and known is not None and known.holds(self._budget_bytes):
             return self._run_repeated(original, args, kwargs, key, known)
-        step = self._begin(args, kwargs)
+        step = self._begin(args, kwargs, key)
         step.rooted = True
-        step.key = key
         self._start_record(step)
 
         def pack(t: torch.Tensor) -> torch.Tensor:

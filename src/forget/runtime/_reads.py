@@ -27,6 +27,20 @@ then torch's profiler is busy on that thread; where one runs already (yours),
 the step is not read. The first step of a cap, nothing read yet, may pass the
 cap by its kernels' buffers, as a CUDA cap's first step may. Figures:
 benchmarks/measured.md, "What the count misses".
+
+NOTE [forward reaches]: a read step also marks each boundary of its forward
+(after its evictions) and notes the count there (``now`` and the outputs alive
+that no region holds). The allocator's peak from that mark to the next, less
+that count, is how far the forward reached past the boundary: the next region's
+activations, its temporaries and what the count misses, at once. A later capped
+step of the same shapes (its key, NOTE [steps of known shapes]), its regions so
+far run in the same order, reserves that at that boundary instead of the
+latest region's bytes and the largest storage, a reserve made for a step that
+knows nothing, which at known shapes kept a layer too few (GPT-2 and BERT at
+50 % of their plain peak: all four layers evicted where three hold). The reach
+is the allocator's own figure at those very shapes; sizes are never scaled
+from it. CUDA steps read no record and keep the reserve. Figures:
+benchmarks/measured.md, "Forward reaches".
 """
 
 from __future__ import annotations
@@ -68,6 +82,9 @@ class Reads:
         # input elements -> bytes the count missed: outside the regions, per region.
         self._flat: dict[int, int] = {}
         self._regions: defaultdict[str, dict[int, int]] = defaultdict(dict)
+        # A step's key -> boundary -> how far the forward reached past it (NOTE
+        # [forward reaches]).
+        self._reaches: dict[tuple[Any, ...], dict[int, int]] = {}
         self._most = 0  # the most input elements a record has read
         self._over: set[int] = set()  # input sizes whose latest read passed its cap
 
@@ -114,7 +131,9 @@ class Reads:
             on_stop(reading)
 
     def apply(self, step: Step) -> None:
-        """Give ``step`` what the records taught, for its input size."""
+        """Give ``step`` what the records taught, for its input size and its shapes."""
+        if step.key is not None:
+            step.reaches = self._reaches.get(step.key, {})
         if not self._flat:
             return
         elements = step.input_elements
@@ -129,7 +148,7 @@ class Reads:
         if end is None or forward is None:
             return None
         elements = step.input_elements
-        starts = sorted((t, name) for name, t in marks.items() if name not in ("end", "forward"))
+        starts = sorted((t, name) for name, t in marks.items() if name.isdigit())
         first = starts[0][0] if starts else end
         # Up to the first region's backward, backward holds what that region's term counts.
         head = step.terms.get(int(starts[0][1]), 0) if starts else step.outside_term
@@ -147,6 +166,12 @@ class Reads:
                 table = self._regions[step.entries[index].name]
                 excess = reading.peak(since, until) - term
                 table[elements] = max(table.get(elements, 0), excess, 0)
+        if step.key is not None:  # NOTE [forward reaches]
+            reaches = self._reaches.setdefault(step.key, {})
+            for boundary, counted in step.counts.items():
+                until = marks.get(f"b{boundary + 1}", forward)
+                reach = reading.peak(marks[f"b{boundary}"], until) - counted
+                reaches[boundary] = max(reaches.get(boundary, reach), reach)
         peak = reading.peak(until=end)
         if peak > step.budget_bytes:
             self._over.add(elements)

@@ -22,7 +22,8 @@ out, a first step passed its cap, benchmarks/measured.md), plus what the next
 region may add:
 the held bytes of the latest region with none inside, or of the next few as
 the last step ran them (learned per candidate, scaled by the input's elements),
-plus the largest storage once more (made, not yet saved). At the forward's end
+plus the largest storage once more (made, not yet saved); at shapes a record
+read, what the forward reached there instead (NOTE [forward reaches]). At the forward's end
 it is backward's peak, modelled region by region in backward's order: backward
 holds, at a region with none inside, what the regions up to it hold and keep (an
 evicted one counted while backward is inside it: rebuilt, with what the evicted
@@ -218,6 +219,12 @@ class Step:
         self.largest_bytes = 0
         self._peak_at = -1
         self.order = order
+        self._in_order = True  # the regions so far ran as in ``order``
+        # NOTE [forward reaches]: from each boundary of the forward to the next, how far
+        # the allocator went above the count (read at these shapes); on a read step, the
+        # count at each boundary.
+        self.reaches: dict[int, int] = {}
+        self.counts: dict[int, int] = {}
         walks = walks or ModuleWalks()
         _, params, buffers = walks.walk([model])
         self._model = model
@@ -299,6 +306,8 @@ class Step:
                 key = storage_key(t)
                 entry.inputs[key] = entry.inputs.get(key, 0) + 1
         entry.index = len(self.entries)
+        order = self.order
+        self._in_order = self._in_order and entry.index < len(order) and order[entry.index] == name
         if entry.parent is not None:
             entry.parent.children.append(entry)
         self.entries.append(entry)
@@ -461,6 +470,9 @@ class Step:
         else:
             now = self.now_bytes
         if not last:
+            reach = self.reaches.get(self.boundaries) if self._in_order else None
+            if reach is not None:  # NOTE [forward reaches]
+                return now + self._loose_bytes() + reach
             return now + self._loose_bytes() + self._forward_reserve()
         peak, self._peak_at = self._backward(now)
         if peak > self.budget_bytes and self._new_grads:
@@ -518,6 +530,9 @@ class Step:
         self.estimated_peak_bytes = max(self.estimated_peak_bytes, estimate)
         if not last:  # NOTE [what the count misses]: what the forward expects to hold
             self.forward_term = max(self.forward_term, estimate - self._extra())
+            if self.mark is not None:  # NOTE [forward reaches]
+                self.counts[self.boundaries] = self.now_bytes + self._loose_bytes()
+                self.mark(f"b{self.boundaries}")
 
     def _evictable(self) -> Iterator[_Entry]:
         for entry in self.entries:
