@@ -15,6 +15,8 @@ per shape, the peak with every default candidate region that has none inside it
 forgotten (`forget.apply_forget`): about the least any choice of those regions
 reaches, to tell a cap that cannot hold from a runtime that evicts badly.
 ``--largest-first`` runs the largest shape first, with nothing learned.
+``--partial selective`` caps with ``forget.cap(..., partial="selective")``
+(NOTE [partial evictions]).
 ``--passes 3`` runs the shapes three times over: from the second step of a
 shape on, the cap repeats its decision (NOTE [steps of known shapes]).
 ``--split`` times instead, by CPU time, the forward and the backward of the
@@ -130,7 +132,9 @@ def peak(model: nn.Module, inputs: dict[str, Any]) -> int:
     return forget.measure(step_of(model, inputs), probe="profiler").peak_bytes
 
 
-def run_peaks(name: str, largest_first: bool = False, passes: int = 1) -> None:
+def run_peaks(
+    name: str, largest_first: bool = False, passes: int = 1, partial: str | None = None
+) -> None:
     make, shapes = models()[name]
     largest = max(shapes)
     if largest_first:  # the hardest first step: nothing learned, the largest shape
@@ -141,7 +145,7 @@ def run_peaks(name: str, largest_first: bool = False, passes: int = 1) -> None:
     for share in (0.75, 0.5):
         budget = int(plain * share)
         capped = copy.deepcopy(model)
-        handle = forget.cap(capped, budget)
+        handle = forget.cap(capped, budget, partial=partial)
         row = []
         for shape in shapes * passes:
             _, inputs = make(shape)
@@ -152,9 +156,10 @@ def run_peaks(name: str, largest_first: bool = False, passes: int = 1) -> None:
                 continue
             report = handle.steps[-1]
             mark = " repeated" if report.repeated else ""
+            part = f", {len(report.partial)} in part" if report.partial else ""
             row.append(
                 f"{shape}: {got / budget:.3f} ({len(report.evicted)}/{len(report.regions)} "
-                f"evicted{mark}, est {report.estimated_peak_bytes / budget:.3f})"
+                f"evicted{part}{mark}, est {report.estimated_peak_bytes / budget:.3f})"
             )
         handle.remove()
         print(f"  cap {share:.0%} = {budget:,} B: " + "; ".join(row))
@@ -228,7 +233,7 @@ def run_evictions(name: str, evictions: list[str]) -> None:
             )
 
 
-def run_times(name: str, rounds: int) -> None:
+def run_times(name: str, rounds: int, partial: str | None = None) -> None:
     make, shapes = models()[name]
     model, inputs = make(max(shapes))
     if not getattr(model, "supports_gradient_checkpointing", True):
@@ -239,7 +244,7 @@ def run_times(name: str, rounds: int) -> None:
     never = copy.deepcopy(model)
     forget.cap(never, 10**12)
     capped = copy.deepcopy(model)
-    handle = forget.cap(capped, budget)
+    handle = forget.cap(capped, budget, partial=partial)
     layers: Any = copy.deepcopy(model)
     layers.activation_checkpointing_enable({"use_reentrant": False})
     calls = {
@@ -275,7 +280,7 @@ def run_times(name: str, rounds: int) -> None:
         f"  cap 50% evicted {len(report.evicted)}/{len(report.regions)}: "
         f"{', '.join(report.evicted) or '-'} (their forward {report.evicted_forward_s * 1e3:.1f}"
         f" ms as the last step timed it; estimate {report.estimated_peak_bytes / budget:.3f}"
-        " of the cap)"
+        f" of the cap); in part: {', '.join(report.partial) or '-'}"
     )
     if "plan 50%" in calls:
         chosen = ", ".join(f"{region}={choice}" for region, choice in fitted.choices.items())
@@ -366,6 +371,7 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="forward and backward CPU time")
     parser.add_argument("--calls", action="store_true", help="forward and backward Python calls")
     parser.add_argument("--candidates", default=None, help="regions of --split and --calls")
+    parser.add_argument("--partial", default=None, help="forget.cap's partial= (selective)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     candidates = args.candidates.split(",") if args.candidates else None
@@ -379,11 +385,11 @@ def main() -> None:
         if args.evictions:
             run_evictions(name, args.evictions.split(","))
             continue
-        run_peaks(name, args.largest_first, args.passes)
+        run_peaks(name, args.largest_first, args.passes, args.partial)
         if args.floor:
             run_floor(name)
         if args.times:
-            run_times(name, args.rounds)
+            run_times(name, args.rounds, args.partial)
 
 
 if __name__ == "__main__":

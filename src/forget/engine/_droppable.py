@@ -11,6 +11,16 @@ exactly as a forgotten region re-runs (RNG replayed, module state once, early
 stop). A held slot is checked against in-place writes as autograd checks
 what it saves. Under ``create_graph`` every slot is rebuilt, as a policy's
 kept tensors are (NOTE [double backward]).
+
+NOTE [partial drops]: a droppable region may run with a policy
+(`forget.policies`). The op outputs the policy keeps are held as any region
+with that policy keeps them (the replay's kept outputs, and a slot where an op
+saved one), and the rest in slots as above. ``drop(partial=True)`` empties
+only the rest: the region is then a policy region, whose re-run replays the
+kept outputs (the matmuls of a ``selective`` keep are not run again). A full
+`drop` empties every slot and lets the kept outputs and draws go too; the
+re-run then runs every op, drawing again from the RNG state the forward began
+with, as a region with no policy does.
 """
 
 from __future__ import annotations
@@ -21,9 +31,10 @@ from typing import Any
 import torch
 
 from ._region import Region
+from ._selective import _KeptDraw
 from ._slots import DroppableSlot, KeptSlot, Slot
 from ._state import detached, dispatch_modes
-from ._storage import PLAIN_TYPES, StorageKey, storage_of
+from ._storage import PLAIN_TYPES, StorageKey, storage_key, storage_of
 
 __all__ = ["DroppableRegion"]
 
@@ -39,7 +50,10 @@ class DroppableRegion(Region):
             (its inputs), by storage key: they stay when it is dropped.
         held_slots: how many of the region's slots hold each storage of ``held_bytes``
             (a runtime tells the inputs of inner regions among them).
-        dropped: whether `drop` ran.
+        kept_output_bytes: bytes of each storage its policy keeps (NOTE [partial
+            drops]), in a slot or not: they stay through a partial drop.
+        dropped: whether a full `drop` ran.
+        partly_dropped: whether a partial `drop` ran (and no full one).
     """
 
     def __init__(
@@ -53,7 +67,10 @@ class DroppableRegion(Region):
         self.held_bytes: dict[StorageKey, int] = {}
         self.kept_bytes: dict[StorageKey, int] = {}
         self.held_slots: dict[StorageKey, int] = {}
+        self.kept_output_bytes: dict[StorageKey, int] = {}
+        self._kept_indices: set[int] = set()  # the slots holding a kept output
         self.dropped = False
+        self.partly_dropped = False
 
     def _external_slot(
         self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
@@ -61,6 +78,13 @@ class DroppableRegion(Region):
         if key not in self.kept_bytes and (s := _storage(t, storage)) is not None:
             self.kept_bytes[key] = s.nbytes()
         return super()._external_slot(t, index, key, storage)
+
+    def _kept_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> Slot:
+        # NOTE [partial drops]: a kept output's slot goes with a full drop only.
+        self._kept_indices.add(index)
+        return self._made_slot(t, index, key, storage)
 
     def _made_slot(
         self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
@@ -79,13 +103,46 @@ class DroppableRegion(Region):
             self.held_slots[key] = 1
         return DroppableSlot(self, index, value)
 
-    def drop(self) -> None:
-        """Empty every slot: backward re-runs the region for what it needs."""
-        self.dropped = True
-        for ref in self._live.values():
+    def run_forward(self) -> Any:
+        out = super().run_forward()
+        if self.policy is not None:  # NOTE [partial drops]: what the policy keeps
+            kept = self.kept_output_bytes
+            for tensor in _kept_tensors(self._kept_ops):
+                if (s := storage_of(tensor)) is not None:
+                    kept.setdefault(storage_key(tensor), s.nbytes())
+        return out
+
+    def drop(self, *, partial: bool = False) -> None:
+        """Empty the slots: backward re-runs the region for what it needs.
+
+        With ``partial``, the outputs its policy keeps stay, and the re-run replays
+        them (NOTE [partial drops]); without, everything goes.
+        """
+        if partial and self.policy is None:
+            raise ValueError("forget: a partial drop needs a region run with a policy.")
+        if not partial:
+            self.dropped, self.partly_dropped = True, False
+            self._kept_ops, self._draw_states = {}, {}
+            self.kept_output_bytes = {}
+        else:
+            self.partly_dropped = True
+        kept = self._kept_indices if partial else ()
+        for index, ref in self._live.items():
             slot = ref()
-            if isinstance(slot, DroppableSlot):
+            if isinstance(slot, DroppableSlot) and index not in kept:
                 slot.value = None
+
+
+def _kept_tensors(kept: dict[int, tuple[str, Any, Any]]) -> list[torch.Tensor]:
+    """The tensors a policy's kept outputs hold (a kept draw's bits or values)."""
+    found: list[torch.Tensor] = []
+    for _, outputs, _ in kept.values():
+        for value in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, _KeptDraw):
+                found += [t for t in (value.bits, value.values) if t is not None]
+    return found
 
 
 def _storage(t: torch.Tensor, read: torch.UntypedStorage | None) -> torch.UntypedStorage | None:

@@ -252,9 +252,16 @@ class Region:
         else:
             if action is Action.OFFLOAD:
                 warn_cpu_once()
-            slot = KeptSlot(self, index, detached(t))
+            slot = self._kept_slot(t, index, key, storage)
         self._live[index] = weakref.ref(slot)
         return slot
+
+    def _kept_slot(
+        self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
+    ) -> Slot:
+        """The slot of a saved tensor the region's policy keeps (``key`` and ``storage``
+        as `_external_slot` has them)."""
+        return KeptSlot(self, index, detached(t))
 
     def _external_slot(
         self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None

@@ -60,7 +60,8 @@ from torch.utils import _pytree as pytree
 from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
 from ..errors import ForgetError
 from ..memory import AllocatorReading
-from ..planning import find_candidates, is_wrapped
+from ..planning import DEFAULT_OPTIONS, find_candidates, is_wrapped
+from ..policies import Policy
 from ..schedules import parse_budget
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
@@ -82,6 +83,7 @@ def cap(
     eviction: str = "largest",
     repeat_known_shapes: bool = True,
     read_allocator: str = "largest",
+    partial: str | Policy | None = None,
 ) -> Cap:
     """Keep every training step of ``model`` under ``budget`` bytes, in place, with no plan.
 
@@ -121,6 +123,11 @@ def cap(
             its peak then in
             `StepReport.allocator_peak_bytes`) or ``"never"``. CUDA's counters
             are read on every step whatever this says.
+        partial: what a region evicted in part keeps (NOTE [partial evictions]):
+            ``"selective"`` (the outputs of its linear layers, fused attention and
+            dropout masks, as `forget.plan`'s option of that name) or a
+            `forget.policies.Policy` that keeps op outputs; ``None`` (the default)
+            evicts whole regions only.
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.
@@ -163,6 +170,7 @@ def cap(
             f"forget: read_allocator={read_allocator!r} names no choice; expected one of "
             f"{', '.join(map(repr, READ_ALLOCATOR))} (NOTE [what the count misses])."
         )
+    policy = _partial_policy(partial)
     _refuse_wrapped(model)
     names = [
         name
@@ -178,7 +186,33 @@ def cap(
             "that may be regions with candidates= (a name pattern such as '*.layers.*', a "
             "module type, or a list of them)."
         )
-    return Cap(model, names, budget_bytes, eviction, repeat_known_shapes, read_allocator)
+    return Cap(model, names, budget_bytes, eviction, repeat_known_shapes, read_allocator, policy)
+
+
+def _partial_policy(partial: str | Policy | None) -> Policy | None:
+    """The policy ``partial=`` names (NOTE [partial evictions])."""
+    if partial is None:
+        return None
+    if isinstance(partial, str):
+        if partial != "selective":
+            raise ValueError(
+                f"forget: partial={partial!r} names no keep; expected 'selective', a "
+                "forget.policies.Policy that keeps op outputs, or None (NOTE [partial "
+                "evictions])."
+            )
+        return DEFAULT_OPTIONS["selective"]
+    if not isinstance(partial, Policy):
+        raise TypeError(
+            f"forget: partial= takes 'selective', a forget.policies.Policy or None, got "
+            f"{type(partial).__name__} (NOTE [partial evictions])."
+        )
+    if partial.regenerate or partial.saves_nothing or partial.saves_everything:
+        raise ValueError(
+            f"forget: partial={partial} is no partial keep (it keeps a region's every op "
+            "output, none, or rebuilds a stage); give a policy that keeps some "
+            "(forget.policies.save_outputs_of), or None (NOTE [partial evictions])."
+        )
+    return partial
 
 
 def _with_finer(model: nn.Module, names: list[str]) -> list[str]:
@@ -250,9 +284,15 @@ class Cap:
         eviction: str = "largest",
         repeat_known_shapes: bool = True,
         read_allocator: str = "largest",
+        partial: Policy | None = None,
     ) -> None:
         self.model = model
         self.names = tuple(names)
+        self.partial = partial
+        # NOTE [partial evictions]: the regions with no candidate inside run with it.
+        self._leaves = frozenset(
+            name for name in names if not any(o.startswith(f"{name}.") for o in names)
+        )
         self.eviction = eviction
         self.repeat_known_shapes = repeat_known_shapes
         self._budget_bytes = budget_bytes
@@ -348,7 +388,8 @@ class Cap:
         held = previous.finished and previous.estimated_peak_bytes <= previous.budget_bytes
         held = held and (read is None or read <= previous.budget_bytes)
         if key is not None and held:
-            if not previous.evicted or key in self._seen:  # NOTE [steps of known shapes]
+            evicted = previous.evicted or previous.partial  # NOTE [partial evictions]
+            if not evicted or key in self._seen:  # NOTE [steps of known shapes]
                 self._known[key] = _Decision(self._history[-1])
             self._seen.add(key)
 
@@ -443,6 +484,8 @@ class Cap:
         if repeat is not None and not repeat.closed:  # NOTE [steps of known shapes]
             if name in repeat.decision.evicted:
                 return run_region(original, args, kwargs)
+            if name in repeat.decision.partial:  # NOTE [partial evictions]
+                return run_region(original, args, kwargs, policy=self.partial)
             return original(*args, **kwargs)
         if in_recomputing() or torch.compiler.is_compiling():
             # NOTE [eviction order]: a re-run's regions keep nothing.
@@ -450,7 +493,8 @@ class Cap:
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
             step = self._begin(args, kwargs)
-        region = DroppableRegion(original, args, kwargs)
+        policy = self.partial if name in self._leaves else None
+        region = DroppableRegion(original, args, kwargs, policy=policy)
         entry = step.enter(name, region.forward_inputs())
         start = time.perf_counter()
         try:
@@ -508,15 +552,17 @@ class Cap:
 class _Decision:
     """What a capped step of some shapes did (NOTE [steps of known shapes])."""
 
-    __slots__ = ("estimate", "evicted", "report", "under")
+    __slots__ = ("estimate", "evicted", "partial", "report", "under")
 
     def __init__(self, report: StepReport) -> None:
         self.report, self.evicted = report, frozenset(report.evicted)
+        self.partial = frozenset(report.partial)
         self.estimate, self.under = report.estimated_peak_bytes, report.budget_bytes
 
     def holds(self, budget_bytes: int) -> bool:
         """Whether it holds under ``budget_bytes``, and no higher cap would evict less."""
-        return self.estimate <= budget_bytes and (not self.evicted or budget_bytes <= self.under)
+        evicted = self.evicted or self.partial
+        return self.estimate <= budget_bytes and (not evicted or budget_bytes <= self.under)
 
 
 class _Repeat:

@@ -13,7 +13,9 @@ class StepReport:
 
     Attributes:
         regions: the candidate regions the step ran, in forward order.
-        evicted: those evicted (re-run in backward), in eviction order.
+        evicted: those evicted whole (re-run in backward), in eviction order.
+        partial: those evicted in part: what the cap's ``partial`` policy keeps stays,
+            the rest is re-run in backward (NOTE [partial evictions]).
         estimated_peak_bytes: the largest estimate of the step's peak at a region
             boundary, after evictions (NOTE [the cap's count]).
         budget_bytes: the cap in force.
@@ -30,6 +32,7 @@ class StepReport:
     evicted: tuple[str, ...]
     estimated_peak_bytes: int
     budget_bytes: int
+    partial: tuple[str, ...] = ()
     evicted_forward_s: float = 0.0
     repeated: bool = False
     allocator_peak_bytes: int | None = None

@@ -22,7 +22,10 @@ out, a first step passed its cap, benchmarks/measured.md), plus what the next
 region may add:
 the held bytes of the latest region with none inside, or of the next few as
 the last step ran them (learned per candidate, scaled by the input's elements),
-plus the largest storage once more (made, not yet saved); at shapes a record
+plus the largest storage once more (made, not yet saved) and the largest
+region output (the next one's, held by no region until it is saved; left
+out, a first step passed its cap by it, benchmarks/measured.md, "Partial
+evictions"); at shapes a record
 read, what the forward reached there instead (NOTE [forward reaches]). At the forward's end
 it is backward's peak, modelled region by region in backward's order: backward
 holds, at a region with none inside, what the regions up to it hold and keep (an
@@ -92,6 +95,22 @@ the cost adds little but noise. Known inefficiency: where regions do differ in
 cost per byte, the largest first ignores it; a cost counted rather than timed
 (FLOPs) would let DTR's order stay repeatable. `EVICTIONS` holds the orders
 measured (benchmarks/measured.md, "eviction orders").
+
+NOTE [partial evictions]: with ``partial=`` (a policy that keeps op outputs,
+``"selective"`` by name), every candidate with none inside runs as a droppable
+region with that policy (NOTE [partial drops]): what the policy keeps is
+counted with the rest of its held bytes. A region is then evicted in two
+stages: in part (the policy's kept outputs stay, the rest goes; its re-run
+replays them), then whole. Every region in part goes before any goes whole,
+each stage in the eviction order by what it frees. A decision repeated at
+known shapes runs a region evicted in part as a policy region from the start
+(NOTE [steps of known shapes]). Off by default, because what a partial re-run
+saves depends on the model, and the cap cannot see it: at 50 % and 512 tokens
+BERT's four layers in part ran at 0.99 of the plan's step where three whole
+ran at 1.08 to 1.19, but GPT-2's (its causal mask and GELU re-run at T x T and
+MLP size, each op through the policy's dispatch mode) at 1.24 where whole ones
+ran at 1.03 to 1.14, and Llama's at 1.17 where 1.01 to 1.05
+(benchmarks/measured.md, "Partial evictions").
 """
 
 from __future__ import annotations
@@ -136,6 +155,7 @@ class _Entry:
         "name",
         "out",
         "parent",
+        "part",
         "rebuilt",
         "ref",
         "released",
@@ -160,6 +180,8 @@ class _Entry:
         self.inputs: dict[StorageKey, int] = {}
         # What its re-run makes: its held bytes less its inputs (read, not made again).
         self.rebuilt = 0
+        # What its policy keeps, less its inputs: held through a partial eviction.
+        self.part: dict[StorageKey, int] = {}
         # Held storages that are only inner regions' inputs -> the first such region.
         self.released: dict[StorageKey, int] = {}
 
@@ -200,6 +222,7 @@ class Step:
         self.entries: list[_Entry] = []
         self.running: list[_Entry] = []
         self.evicted: list[str] = []
+        self.partial: list[str] = []  # evicted in part (NOTE [partial evictions])
         self.evicted_forward_s = 0.0
         self.estimated_peak_bytes = 0
         self.closed = False
@@ -217,6 +240,7 @@ class Step:
         self._outputs: list[weakref.ref[torch.Tensor]] = []
         self.model_output_bytes = 0
         self.largest_bytes = 0
+        self.largest_out = 0  # the largest output of a region so far
         self._peak_at = -1
         self.order = order
         self._in_order = True  # the regions so far ran as in ``order``
@@ -323,12 +347,15 @@ class Step:
         entry.end = self.boundaries + 1  # the boundary `settle` counts below
         entry.cost_s = cost_s
         entry.done = True
-        held, kept, holders = region.held_bytes, region.kept_bytes, self._holders
+        # NOTE [partial evictions]: what its policy keeps is held too, in a slot or not.
+        held = {**region.kept_output_bytes, **region.held_bytes}
+        kept, holders = region.kept_bytes, self._holders
         self._add_all(held)
         self._add_all(kept)  # inputs: they stay while the region lives
         for key in (*held, *kept):
             holders[key].append(entry)
-        entry.keys = dict(held)
+        entry.keys = held
+        entry.part = {k: n for k, n in region.kept_output_bytes.items() if k not in entry.inputs}
         sizes = list(held.values())
         entry.size = sum(sizes)
         self._grads_by_entry = None
@@ -345,6 +372,7 @@ class Step:
         if self.mark is not None:  # NOTE [what the count misses]; let go once marked
             entry.grad_fn = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
         self.largest_bytes = max(self.largest_bytes, entry.largest)
+        self.largest_out = max(self.largest_out, entry.out)
         self.learned[entry.name] = (entry.size, self.input_elements, entry.leaf)
         # A region run without the model's forward: any boundary may be the last.
         self.settle(entry.name, last=not self.rooted)
@@ -386,8 +414,9 @@ class Step:
     # -- the cap --------------------------------------------------------------
     def _forward_reserve(self) -> int:
         """What the next region's forward may add (NOTE [the cap's count]): its held
-        bytes, and the largest storage once more, made and not (yet) saved."""
-        return self._next_bytes() + self.largest_bytes + self._extra()
+        bytes, the largest storage once more, made and not (yet) saved, and its output,
+        which no region holds until the region after it saves it."""
+        return self._next_bytes() + self.largest_bytes + self.largest_out + self._extra()
 
     def _extra(self) -> int:
         return self.extra_bytes - (0 if self._soft else self.soft_bytes)
@@ -432,7 +461,12 @@ class Step:
             dropped = _dropped(entry)
             if not entry.leaf:
                 continue
-            rebuilt = entry.rebuilt if dropped else 0
+            if dropped:
+                rebuilt = entry.rebuilt
+            elif _partly_dropped(entry):  # NOTE [partial evictions]: its kept part is held
+                rebuilt = entry.rebuilt - sum(entry.part.values())
+            else:
+                rebuilt = 0
             outer = entry.parent
             while outer is not None:
                 if outer.done and _dropped(outer):
@@ -525,7 +559,7 @@ class Step:
                     "that (handle.set_budget), or give the step smaller inputs. The model's "
                     "parameters and buffers are as they were before this step."
                 )
-            self._evict(victim)
+            self._evict(*victim)
             estimate = self.estimate_bytes(last)
         self.estimated_peak_bytes = max(self.estimated_peak_bytes, estimate)
         if not last:  # NOTE [what the count misses]: what the forward expects to hold
@@ -544,30 +578,46 @@ class Step:
             if all(_dropped(child) for child in entry.children):
                 yield entry
 
-    def _pick(self, last: bool) -> _Entry | None:
-        best, best_score = None, 0.0
+    def _pick(self, last: bool) -> tuple[_Entry, bool] | None:
+        """The region to evict next, and whether in part (NOTE [partial evictions]):
+        a region in part before any whole, each stage in the eviction order."""
+        best: dict[bool, tuple[float, _Entry]] = {}
+        live = self._live
         for entry in self._evictable():
-            freed = sum(self._live[k][0] for k in entry.keys if self._live.get(k, (0, 0))[1] == 1)
+            region = entry.ref() if entry.ref is not None else None
+            partial = region is not None and region.policy is not None and not region.partly_dropped
+            keys = [k for k in entry.keys if k not in entry.part] if partial else entry.keys
+            freed = sum(live[k][0] for k in keys if live.get(k, (0, 0))[1] == 1)
             # At the forward's end, evicting it must lower backward's peak: only what
             # backward meets before its span holds less (its span holds it rebuilt).
             if freed == 0 or (last and self._peak_at <= entry.last):
                 continue
             staleness = self.boundaries - entry.end + 1
             score = self._score(freed, staleness, entry.cost_s, entry.index)
-            if best is None or score > best_score:
-                best, best_score = entry, score
-        return best
+            if partial not in best or score > best[partial][0]:
+                best[partial] = (score, entry)
+        for partial in (True, False):
+            if partial in best:
+                return best[partial][1], partial
+        return None
 
-    def _evict(self, entry: _Entry) -> None:
+    def _evict(self, entry: _Entry, partial: bool = False) -> None:
         assert entry.ref is not None
         region = entry.ref()
         assert region is not None
-        region.drop()
-        for key in entry.keys:
+        region.drop(partial=partial)
+        gone = [k for k in entry.keys if k not in entry.part] if partial else list(entry.keys)
+        for key in gone:
             self._remove(key)
             holders = self._holders.get(key)
             if holders is not None and entry in holders:
                 holders.remove(entry)
+        if partial:  # NOTE [partial evictions]
+            entry.keys = {k: entry.keys[k] for k in entry.keys if k in entry.part}
+            self.partial.append(entry.name)
+            return
+        if entry.name in self.partial and region.policy is not None:
+            self.partial.remove(entry.name)
         self.evicted.append(entry.name)
         self.evicted_forward_s += entry.cost_s
 
@@ -580,6 +630,7 @@ class Step:
         return StepReport(
             regions=tuple(e.name for e in self.entries),
             evicted=tuple(self.evicted),
+            partial=tuple(self.partial),
             estimated_peak_bytes=self.estimated_peak_bytes,
             budget_bytes=self.budget_bytes,
             evicted_forward_s=self.evicted_forward_s,
@@ -608,3 +659,8 @@ def _find_released(entry: _Entry, region: DroppableRegion) -> None:
 def _dropped(entry: _Entry) -> bool:
     region = entry.ref() if entry.ref is not None else None
     return region is None or region.dropped
+
+
+def _partly_dropped(entry: _Entry) -> bool:
+    region = entry.ref() if entry.ref is not None else None
+    return region is not None and region.partly_dropped
