@@ -19,8 +19,15 @@ SELECTIVE = DEFAULT_OPTIONS["selective"]
 
 
 def _block() -> nn.Module:
+    # Its policy keeps a fifth of what it holds: the first linear layer's output and
+    # dropout's mask as bits, beside the norm's, GELU's, tanh's and dropout's outputs.
     return nn.Sequential(
-        nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 16)
+        nn.Linear(16, 64),
+        nn.BatchNorm1d(64),
+        nn.GELU(),
+        nn.Tanh(),
+        nn.Dropout(0.2),
+        nn.Linear(64, 16),
     )
 
 
@@ -106,7 +113,7 @@ def _plain_peak(rows: int) -> int:
     return forget.measure(lambda: _step(net, rows)).peak_bytes
 
 
-@pytest.mark.parametrize("share", [0.65, 0.5])
+@pytest.mark.parametrize("share", [0.65, 0.45])
 def test_a_cap_evicting_in_part_keeps_the_plain_gradients_buffers_and_the_cap(share):
     budget = int(share * _plain_peak(256))
     plain, capped = _net(), _net()

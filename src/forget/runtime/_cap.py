@@ -127,7 +127,8 @@ def cap(
             ``"selective"`` (the outputs of its linear layers, fused attention and
             dropout masks, as `forget.plan`'s option of that name) or a
             `forget.policies.Policy` that keeps op outputs; ``None`` (the default)
-            evicts whole regions only.
+            evicts whole regions only. A region goes in part only where that keeps
+            at most a quarter of what it holds.
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.

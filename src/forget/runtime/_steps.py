@@ -104,13 +104,23 @@ stages: in part (the policy's kept outputs stay, the rest goes; its re-run
 replays them), then whole. Every region in part goes before any goes whole,
 each stage in the eviction order by what it frees. A decision repeated at
 known shapes runs a region evicted in part as a policy region from the start
-(NOTE [steps of known shapes]). Off by default, because what a partial re-run
-saves depends on the model, and the cap cannot see it: at 50 % and 512 tokens
-BERT's four layers in part ran at 0.99 of the plan's step where three whole
-ran at 1.08 to 1.19, but GPT-2's (its causal mask and GELU re-run at T x T and
-MLP size, each op through the policy's dispatch mode) at 1.24 where whole ones
-ran at 1.03 to 1.14, and Llama's at 1.17 where 1.01 to 1.05
-(benchmarks/measured.md, "Partial evictions").
+(NOTE [steps of known shapes]). A region goes in part only where its policy
+keeps at most a quarter of what it holds (`_PART`): a re-run in part runs the
+ops the policy did not keep, each through the policy's dispatch mode, and it
+pays where they hold most of the region (an attention's T x T scores,
+probabilities and masks), not where they are the many small ops around kept
+matmuls (norms, rotary embeddings, activations). Measured at 50 % and 512
+tokens, three runs, against the plan: GPT-2 and BERT layers keep 7 % in part,
+and in part ran at 0.97 to 1.06 of the plan's step where whole at 1.03 to
+1.19; Llama's keep 41 %, and in part ran at 1.08 to 1.15 where whole at 1.01
+to 1.05 (benchmarks/measured.md, "Partial evictions"). A convolution block
+keeps nothing of its own under ``"selective"`` and goes whole. Off by default:
+a region run under the policy holds, until it returns, the outputs the policy
+keeps that plain autograd lets go at once (a matmul's output that only a ReLU
+or a residual sum reads), which a first step's reserve, guessed from the
+regions before, does not foresee: the tests' net with a 1024-wide head passed
+a cap at 80 % of its plain peak by 5 % on its first step with it on
+(tests/test_cap.py, `test_a_large_last_region_is_within_the_cap_by_the_ledger`).
 """
 
 from __future__ import annotations
@@ -133,6 +143,8 @@ from ._report import StepReport
 
 __all__ = ["Step"]
 
+# The most of its held bytes a region evicted in part may keep (NOTE [partial evictions]).
+_PART = 0.25
 # How many regions ahead the forward's reserve looks, in the last step's order.
 _AHEAD = 3
 
@@ -156,6 +168,7 @@ class _Entry:
         "out",
         "parent",
         "part",
+        "part_in_slots",
         "rebuilt",
         "ref",
         "released",
@@ -182,6 +195,7 @@ class _Entry:
         self.rebuilt = 0
         # What its policy keeps, less its inputs: held through a partial eviction.
         self.part: dict[StorageKey, int] = {}
+        self.part_in_slots = 0  # of which a slot holds
         # Held storages that are only inner regions' inputs -> the first such region.
         self.released: dict[StorageKey, int] = {}
 
@@ -356,11 +370,14 @@ class Step:
             holders[key].append(entry)
         entry.keys = held
         entry.part = {k: n for k, n in region.kept_output_bytes.items() if k not in entry.inputs}
+        entry.part_in_slots = sum([n for k, n in entry.part.items() if k in region.held_bytes])
         sizes = list(held.values())
         entry.size = sum(sizes)
         self._grads_by_entry = None
         inputs = entry.inputs
-        entry.rebuilt = entry.size - sum([nbytes for key, nbytes in held.items() if key in inputs])
+        # A re-run rebuilds what the slots held, not what only its policy kept.
+        slots = region.held_bytes
+        entry.rebuilt = sum([nbytes for key, nbytes in slots.items() if key not in inputs])
         if entry.children:
             _find_released(entry, region)
         entry.leaf = not entry.children
@@ -464,7 +481,7 @@ class Step:
             if dropped:
                 rebuilt = entry.rebuilt
             elif _partly_dropped(entry):  # NOTE [partial evictions]: its kept part is held
-                rebuilt = entry.rebuilt - sum(entry.part.values())
+                rebuilt = entry.rebuilt - entry.part_in_slots
             else:
                 rebuilt = 0
             outer = entry.parent
@@ -585,7 +602,7 @@ class Step:
         live = self._live
         for entry in self._evictable():
             region = entry.ref() if entry.ref is not None else None
-            partial = region is not None and region.policy is not None and not region.partly_dropped
+            partial = region is not None and not region.partly_dropped and _parts(entry)
             keys = [k for k in entry.keys if k not in entry.part] if partial else entry.keys
             freed = sum(live[k][0] for k in keys if live.get(k, (0, 0))[1] == 1)
             # At the forward's end, evicting it must lower backward's peak: only what
@@ -659,6 +676,13 @@ def _find_released(entry: _Entry, region: DroppableRegion) -> None:
 def _dropped(entry: _Entry) -> bool:
     region = entry.ref() if entry.ref is not None else None
     return region is None or region.dropped
+
+
+def _parts(entry: _Entry) -> bool:
+    """Whether ``entry`` may be evicted in part (NOTE [partial evictions]): its policy
+    keeps something of its own, and no more than `_PART` of what it holds."""
+    part = sum(entry.part.values())
+    return 0 < part <= _PART * entry.size
 
 
 def _partly_dropped(entry: _Entry) -> bool:
