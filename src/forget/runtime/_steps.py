@@ -110,10 +110,10 @@ ops the policy did not keep, each through the policy's dispatch mode, and it
 pays where they hold most of the region (an attention's T x T scores,
 probabilities and masks), not where they are the many small ops around kept
 matmuls (norms, rotary embeddings, activations). Measured at 50 % and 512
-tokens, three runs, against the plan: GPT-2 and BERT layers keep 7 % in part,
-and in part ran at 0.97 to 1.06 of the plan's step where whole at 1.03 to
-1.19; Llama's keep 41 %, and in part ran at 1.08 to 1.15 where whole at 1.01
-to 1.05 (benchmarks/measured.md, "Partial evictions"). A convolution block
+tokens against the plan: GPT-2's and BERT's layers keep 7 % in part, and in
+part ran at 0.97 to 1.09 of the plan's step (six runs) where whole at 1.03 to
+1.19 (five); Llama's keep 41 %, and in part ran at 1.08 to 1.15 where whole
+at 1.01 to 1.07 (benchmarks/measured.md, "Partial evictions"). A convolution block
 keeps nothing of its own under ``"selective"`` and goes whole. Off by default:
 a region run under the policy holds, until it returns, the outputs the policy
 keeps that plain autograd lets go at once (a matmul's output that only a ReLU
