@@ -111,6 +111,7 @@ from ._state import (
     current_values,
     detached,
     restore,
+    stop_position,
 )
 from ._storage import PLAIN_TYPES, StorageKey, storage_key
 from ._written import WrittenArgument, cut_written, held_tensors
@@ -348,7 +349,7 @@ class Region:
         # NOTE [plain re-run]
         self._plain_rerun = self.policy is None and not tracker.nested
         last = self._pack_positions[-1] if self._pack_positions else None
-        tracker.drop_unneeded_kept(stop=_stop_position(last, self._writers))
+        tracker.drop_unneeded_kept(stop=stop_position(last, self._writers))
         self._kept_ops = offload_kept(tracker.kept)
         self._draw_states = tracker.draw_states
         # Values before the forward's first write, so the re-run starts where it did.
@@ -508,8 +509,8 @@ class Region:
                 needed.discard(index)
                 if not needed and early_stop:
                     if tracker is not None:
-                        tracker.stop_at(_stop_position(tracker.position, writers))
-                    elif _stop_position(positions[index], writers) == positions[index]:
+                        tracker.stop_at(stop_position(tracker.position, writers))
+                    elif stop_position(positions[index], writers) == positions[index]:
                         raise StopRecomputation  # from inside the pack: the op does not run
                     else:
                         past.append(positions[index])
@@ -603,23 +604,3 @@ class Region:
                     "gradients. Clone the tensor before modifying it, or modify it after "
                     "backward."
                 )
-
-
-def _stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
-    """Where a re-run may stop once the last tensor it needs is packed at ``pending``.
-
-    NOTE [early stop]: ``pending`` is the position of the next op to start when
-    the tensor was packed. The pack was either of an output of the op before it,
-    whose kernel has finished, or of an input of the op at ``pending``, whose
-    autograd layer saves its inputs before its kernel runs. Its kernel's output
-    is needed by nothing, so the re-run stops before it starts, unless it writes
-    into an argument, which may be the tensor just packed (rrelu_with_noise fills
-    its saved ``noise``): then it stops once that op has finished. Ops at the
-    returned position and after it do not run again; their inputs are not needed
-    (NOTE [unneeded kept outputs]). With ``early_stop=False`` (torch's flag) the
-    re-run never stops: the whole function runs, and must save as many tensors
-    as the forward did.
-    """
-    if pending is None:
-        return None
-    return pending + 1 if pending in writers else pending

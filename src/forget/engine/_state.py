@@ -59,6 +59,7 @@ __all__ = [
     "detached",
     "dispatch_modes",
     "restore",
+    "stop_position",
 ]
 
 
@@ -342,3 +343,23 @@ def current_values(
     """Copy the present values of the tensors in ``snapshots``."""
     with torch.no_grad():
         return [(t, t.detach().clone()) for t, _ in snapshots]
+
+
+def stop_position(pending: int | None, writers: frozenset[int]) -> int | None:
+    """Where a re-run may stop once the last tensor it needs is packed at ``pending``.
+
+    NOTE [early stop]: ``pending`` is the position of the next op to start when
+    the tensor was packed. The pack was either of an output of the op before it,
+    whose kernel has finished, or of an input of the op at ``pending``, whose
+    autograd layer saves its inputs before its kernel runs. Its kernel's output
+    is needed by nothing, so the re-run stops before it starts, unless it writes
+    into an argument, which may be the tensor just packed (rrelu_with_noise fills
+    its saved ``noise``): then it stops once that op has finished. Ops at the
+    returned position and after it do not run again; their inputs are not needed
+    (NOTE [unneeded kept outputs]). With ``early_stop=False`` (torch's flag) the
+    re-run never stops: the whole function runs, and must save as many tensors
+    as the forward did.
+    """
+    if pending is None:
+        return None
+    return pending + 1 if pending in writers else pending

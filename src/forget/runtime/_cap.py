@@ -60,12 +60,13 @@ from torch.utils import _pytree as pytree
 from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
 from ..errors import ForgetError
 from ..memory import AllocatorReading
-from ..planning import DEFAULT_OPTIONS, find_candidates, is_wrapped
+from ..planning import find_candidates, is_wrapped
 from ..policies import Policy
 from ..schedules import parse_budget
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
 from ._reads import READ_ALLOCATOR, Reads
+from ._regions import partial_policy, with_finer
 from ._report import StepReport
 from ._steps import Step
 
@@ -171,7 +172,7 @@ def cap(
             f"forget: read_allocator={read_allocator!r} names no choice; expected one of "
             f"{', '.join(map(repr, READ_ALLOCATOR))} (NOTE [what the count misses])."
         )
-    policy = _partial_policy(partial)
+    policy = partial_policy(partial)
     _refuse_wrapped(model)
     names = [
         name
@@ -179,7 +180,7 @@ def cap(
         if not isinstance(model.get_submodule(name), nn.ModuleList | nn.ModuleDict)
     ]
     if candidates is None:
-        names = _with_finer(model, names)
+        names = with_finer(model, names)
     if not names:
         raise ValueError(
             f"forget: {type(model).__name__} has no candidate region for a cap: no repeated "
@@ -188,69 +189,6 @@ def cap(
             "module type, or a list of them)."
         )
     return Cap(model, names, budget_bytes, eviction, repeat_known_shapes, read_allocator, policy)
-
-
-def _partial_policy(partial: str | Policy | None) -> Policy | None:
-    """The policy ``partial=`` names (NOTE [partial evictions])."""
-    if partial is None:
-        return None
-    if isinstance(partial, str):
-        if partial != "selective":
-            raise ValueError(
-                f"forget: partial={partial!r} names no keep; expected 'selective', a "
-                "forget.policies.Policy that keeps op outputs, or None (NOTE [partial "
-                "evictions])."
-            )
-        return DEFAULT_OPTIONS["selective"]
-    if not isinstance(partial, Policy):
-        raise TypeError(
-            f"forget: partial= takes 'selective', a forget.policies.Policy or None, got "
-            f"{type(partial).__name__} (NOTE [partial evictions])."
-        )
-    if partial.regenerate or partial.saves_nothing or partial.saves_everything:
-        raise ValueError(
-            f"forget: partial={partial} is no partial keep (it keeps a region's every op "
-            "output, none, or rebuilds a stage); give a policy that keeps some "
-            "(forget.policies.save_outputs_of), or None (NOTE [partial evictions])."
-        )
-    return partial
-
-
-def _with_finer(model: nn.Module, names: list[str]) -> list[str]:
-    """``names`` and, inside each one-of-a-kind region, its children (NOTE [finer regions]).
-
-    NOTE [finer regions]: a repeated block holds a share of the step that falls
-    as the stack grows; a stem or a head is one of a kind and may hold as much
-    as many blocks (a CNN's stem runs at the input's resolution). Evicted whole,
-    its re-run in backward rebuilds all of it at once, beside two of its largest
-    gradients and every parameter's gradient (a stem meets backward last), more
-    than a tight cap leaves. So a default candidate with no candidate inside it,
-    whose type no other candidate has, gets its children (two or more) as
-    regions inside it: the runtime evicts them first, each re-run then holds one
-    child's activations, and the region itself, evicted only after them, still
-    frees the tensors between the children. The price is paid only when the cap
-    needs it: the region evicted, it and then each child re-run once in
-    backward. The choice is made when the cap is made, from the module tree
-    alone, so the first step, with nothing learned, has the finer regions too.
-    Repeated blocks stay whole: regions inside each would multiply the regions,
-    and their overhead, by the children per block, and a block evicted after
-    its children re-runs twice. Figures: benchmarks/measured.md ("forget.cap").
-    """
-    known = set(names)
-    kinds = [type(model.get_submodule(name)) for name in names]
-    out = list(names)
-    for name, kind in zip(names, kinds, strict=True):
-        if kinds.count(kind) > 1 or any(other.startswith(f"{name}.") for other in known):
-            continue
-        children = [
-            f"{name}.{child}"
-            for child, module in model.get_submodule(name).named_children()
-            if not isinstance(module, nn.ModuleList | nn.ModuleDict)
-        ]
-        if len(children) > 1:
-            out += children
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(out, key=order.__getitem__)
 
 
 def budget_to_bytes(budget: int | float | str, device: torch.device) -> int:

@@ -1,10 +1,72 @@
-"""The eviction orders a cap may take, by name (NOTE [eviction order])."""
+"""Which region a cap evicts next: the orders it may take, by name.
+
+NOTE [eviction order]: a region may be evicted once its forward has returned,
+and a region with candidate regions inside only once they are all evicted (its
+slots hold their inputs: evicting it first would re-run them all to rebuild
+them). Among those, the runtime evicts the one whose eviction frees the most
+bytes (storages no other region or input holds), the one the forward ran first
+on a tie. Repeated blocks thus go from the first one on: backward needs them
+last, when the least memory is held, while those the forward ran last would be
+re-run at once, at backward's peak. At the forward's end only a region that
+lies before backward's modelled peak (in forward order) is worth evicting:
+backward meets it after the peak, and at the peak it then holds less; within
+its own span it is held again, rebuilt. So an enclosing region, whose slots
+hold the inputs of the regions inside, is evicted only when the peak falls
+after it. The regions a re-run starts in backward are plain forgotten regions
+(keeping nothing), so a re-run holds its own slots and, in turn, one region
+inside it.
+
+Why the largest first, and not DTR's heuristic (Kirisame et al., ICLR 2021,
+"Dynamic Tensor Rematerialization": evict the least cost / (memory x
+staleness)), the anchor this began from and still ``eviction="dtr"``: side by
+side on four models at two caps, the largest first evicted no more regions
+than any other order and re-ran no more forward FLOPs than DTR's typical run
+(fewer where regions differ most, a ResNet with a nested stem); and its
+choice depends on bytes alone, so the same steps evict the same regions on
+every run. DTR's cost is a region's forward time, measured as the step runs:
+on a loaded machine it moves, and with it which region goes (runs of the same
+steps evicted different sets, now cheaper, now dearer).
+Whole regions of one model mostly cost alike per byte (repeated blocks), so
+the cost adds little but noise. Known inefficiency: where regions do differ in
+cost per byte, the largest first ignores it; a cost counted rather than timed
+(FLOPs) would let DTR's order stay repeatable. `EVICTIONS` holds the orders
+measured (benchmarks/measured.md, "eviction orders").
+
+NOTE [partial evictions]: with ``partial=`` (a policy that keeps op outputs,
+``"selective"`` by name), every candidate with none inside runs as a droppable
+region with that policy (NOTE [partial drops]): what the policy keeps is
+counted with the rest of its held bytes. A region is then evicted in two
+stages: in part (the policy's kept outputs stay, the rest goes; its re-run
+replays them), then whole. Every region in part goes before any goes whole,
+each stage in the eviction order by what it frees. A decision repeated at
+known shapes runs a region evicted in part as a policy region from the start
+(NOTE [steps of known shapes]). A region goes in part only where its policy
+keeps at most a quarter of what it holds (`PART`): a re-run in part runs the
+ops the policy did not keep, each through the policy's dispatch mode, and it
+pays where they hold most of the region (an attention's T x T scores,
+probabilities and masks), not where they are the many small ops around kept
+matmuls (norms, rotary embeddings, activations). Measured at 50 % and 512
+tokens against the plan: GPT-2's and BERT's layers keep 7 % in part, and in
+part ran at 0.97 to 1.09 of the plan's step (six runs) where whole at 1.03 to
+1.19 (five); Llama's keep 41 %, and in part ran at 1.08 to 1.15 where whole
+at 1.01 to 1.07 (benchmarks/measured.md, "Partial evictions"). A convolution block
+keeps nothing of its own under ``"selective"`` and goes whole. Off by default:
+a region run under the policy holds, until it returns, the outputs the policy
+keeps that plain autograd lets go at once (a matmul's output that only a ReLU
+or a residual sum reads), which a first step's reserve, guessed from the
+regions before, does not foresee: the tests' net with a 1024-wide head passed
+a cap at 80 % of its plain peak by 5 % on its first step with it on
+(tests/test_cap.py, `test_a_large_last_region_is_within_the_cap_by_the_ledger`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["EVICTIONS"]
+__all__ = ["EVICTIONS", "PART"]
+
+#: The most of its held bytes a region evicted in part may keep (NOTE [partial evictions]).
+PART = 0.25
 
 
 def _dtr(freed_bytes: int, staleness: int, cost_s: float, index: int) -> float:

@@ -64,63 +64,8 @@ when no region is left to evict, the cap cannot hold and the step stops with a
 `ForgetError` naming the estimate, after the model's buffers are put back as
 they were when the step began (a copy taken then, counted in ``now``).
 
-NOTE [eviction order]: a region may be evicted once its forward has returned,
-and a region with candidate regions inside only once they are all evicted (its
-slots hold their inputs: evicting it first would re-run them all to rebuild
-them). Among those, the runtime evicts the one whose eviction frees the most
-bytes (storages no other region or input holds), the one the forward ran first
-on a tie. Repeated blocks thus go from the first one on: backward needs them
-last, when the least memory is held, while those the forward ran last would be
-re-run at once, at backward's peak. At the forward's end only a region that
-lies before backward's modelled peak (in forward order) is worth evicting:
-backward meets it after the peak, and at the peak it then holds less; within
-its own span it is held again, rebuilt. So an enclosing region, whose slots
-hold the inputs of the regions inside, is evicted only when the peak falls
-after it. The regions a re-run starts in backward are plain forgotten regions
-(keeping nothing), so a re-run holds its own slots and, in turn, one region
-inside it.
-
-Why the largest first, and not DTR's heuristic (Kirisame et al., ICLR 2021,
-"Dynamic Tensor Rematerialization": evict the least cost / (memory x
-staleness)), the anchor this began from and still ``eviction="dtr"``: side by
-side on four models at two caps, the largest first evicted no more regions
-than any other order and re-ran no more forward FLOPs than DTR's typical run
-(fewer where regions differ most, a ResNet with a nested stem); and its
-choice depends on bytes alone, so the same steps evict the same regions on
-every run. DTR's cost is a region's forward time, measured as the step runs:
-on a loaded machine it moves, and with it which region goes (runs of the same
-steps evicted different sets, now cheaper, now dearer).
-Whole regions of one model mostly cost alike per byte (repeated blocks), so
-the cost adds little but noise. Known inefficiency: where regions do differ in
-cost per byte, the largest first ignores it; a cost counted rather than timed
-(FLOPs) would let DTR's order stay repeatable. `EVICTIONS` holds the orders
-measured (benchmarks/measured.md, "eviction orders").
-
-NOTE [partial evictions]: with ``partial=`` (a policy that keeps op outputs,
-``"selective"`` by name), every candidate with none inside runs as a droppable
-region with that policy (NOTE [partial drops]): what the policy keeps is
-counted with the rest of its held bytes. A region is then evicted in two
-stages: in part (the policy's kept outputs stay, the rest goes; its re-run
-replays them), then whole. Every region in part goes before any goes whole,
-each stage in the eviction order by what it frees. A decision repeated at
-known shapes runs a region evicted in part as a policy region from the start
-(NOTE [steps of known shapes]). A region goes in part only where its policy
-keeps at most a quarter of what it holds (`_PART`): a re-run in part runs the
-ops the policy did not keep, each through the policy's dispatch mode, and it
-pays where they hold most of the region (an attention's T x T scores,
-probabilities and masks), not where they are the many small ops around kept
-matmuls (norms, rotary embeddings, activations). Measured at 50 % and 512
-tokens against the plan: GPT-2's and BERT's layers keep 7 % in part, and in
-part ran at 0.97 to 1.09 of the plan's step (six runs) where whole at 1.03 to
-1.19 (five); Llama's keep 41 %, and in part ran at 1.08 to 1.15 where whole
-at 1.01 to 1.07 (benchmarks/measured.md, "Partial evictions"). A convolution block
-keeps nothing of its own under ``"selective"`` and goes whole. Off by default:
-a region run under the policy holds, until it returns, the outputs the policy
-keeps that plain autograd lets go at once (a matmul's output that only a ReLU
-or a residual sum reads), which a first step's reserve, guessed from the
-regions before, does not foresee: the tests' net with a 1024-wide head passed
-a cap at 80 % of its plain peak by 5 % on its first step with it on
-(tests/test_cap.py, `test_a_large_last_region_is_within_the_cap_by_the_ledger`).
+NOTE [eviction order] and NOTE [partial evictions], which say which region
+goes, are in `._orders`.
 """
 
 from __future__ import annotations
@@ -136,6 +81,7 @@ from torch import nn
 
 from ..engine import DroppableRegion, ModuleWalks, StorageKey, storage_key, storage_keys, storage_of
 from ..errors import ForgetError
+from ._entries import Entry, evicted_in_part, evicted_whole, find_released, may_go_in_part
 from ._grads import gradients_by_entry
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensor_bytes, tensors_in
@@ -143,61 +89,8 @@ from ._report import StepReport
 
 __all__ = ["Step"]
 
-# The most of its held bytes a region evicted in part may keep (NOTE [partial evictions]).
-_PART = 0.25
 # How many regions ahead the forward's reserve looks, in the last step's order.
 _AHEAD = 3
-
-
-class _Entry:
-    """One candidate region run in the step's forward."""
-
-    __slots__ = (
-        "children",
-        "cost_s",
-        "done",
-        "end",
-        "grad_fn",
-        "index",
-        "inputs",
-        "keys",
-        "largest",
-        "last",
-        "leaf",
-        "name",
-        "out",
-        "parent",
-        "part",
-        "part_in_slots",
-        "rebuilt",
-        "ref",
-        "released",
-        "size",
-    )
-
-    def __init__(self, name: str, parent: _Entry | None) -> None:
-        self.name = name
-        self.parent = parent
-        self.children: list[_Entry] = []
-        self.ref: weakref.ref[DroppableRegion] | None = None
-        self.keys: dict[StorageKey, int] = {}  # held storages -> bytes
-        self.cost_s = 0.0
-        self.size = 0
-        self.leaf = True
-        self.end = 0
-        self.index = self.last = 0
-        self.largest = self.out = 0
-        self.done = False
-        self.grad_fn: Any = None  # what backward runs first of it (its output's grad_fn)
-        # Storage key -> how often it is among the region's tensor inputs.
-        self.inputs: dict[StorageKey, int] = {}
-        # What its re-run makes: its held bytes less its inputs (read, not made again).
-        self.rebuilt = 0
-        # What its policy keeps, less its inputs: held through a partial eviction.
-        self.part: dict[StorageKey, int] = {}
-        self.part_in_slots = 0  # of which a slot holds
-        # Held storages that are only inner regions' inputs -> the first such region.
-        self.released: dict[StorageKey, int] = {}
 
 
 class Step:
@@ -233,8 +126,8 @@ class Step:
         self.extra_bytes = extra_bytes
         given = tensors_in(inputs)
         self.input_elements = max(sum(t.numel() for t in given), 1)
-        self.entries: list[_Entry] = []
-        self.running: list[_Entry] = []
+        self.entries: list[Entry] = []
+        self.running: list[Entry] = []
         self.evicted: list[str] = []
         self.partial: list[str] = []  # evicted in part (NOTE [partial evictions])
         self.evicted_forward_s = 0.0
@@ -248,7 +141,7 @@ class Step:
         self._live: dict[StorageKey, list[int]] = {}
         self._outside: dict[StorageKey, int] = {}
         # storage key -> the regions holding or keeping it (NOTE [the cap's count]).
-        self._holders: defaultdict[StorageKey, list[_Entry]] = defaultdict(list)
+        self._holders: defaultdict[StorageKey, list[Entry]] = defaultdict(list)
         self.now_bytes = 0
         # The regions' outputs: alive until used, held by no region before that.
         self._outputs: list[weakref.ref[torch.Tensor]] = []
@@ -336,8 +229,8 @@ class Step:
             self._add(key, s.nbytes())
 
     # -- regions --------------------------------------------------------------
-    def enter(self, name: str, inputs: list[torch.Tensor]) -> _Entry:
-        entry = _Entry(name, self.running[-1] if self.running else None)
+    def enter(self, name: str, inputs: list[torch.Tensor]) -> Entry:
+        entry = Entry(name, self.running[-1] if self.running else None)
         self._grads_by_entry = None  # found again with this entry (NOTE [gradients as they come])
         for t in inputs:
             if storage_of(t) is not None:
@@ -352,7 +245,7 @@ class Step:
         self.running.append(entry)
         return entry
 
-    def leave(self, entry: _Entry, region: DroppableRegion | None, out: Any, cost_s: float) -> None:
+    def leave(self, entry: Entry, region: DroppableRegion | None, out: Any, cost_s: float) -> None:
         """Count a region that returned (``region`` None: it raised), then keep to the cap."""
         self.running.pop()
         if region is None:
@@ -379,7 +272,7 @@ class Step:
         slots = region.held_bytes
         entry.rebuilt = sum([nbytes for key, nbytes in slots.items() if key not in inputs])
         if entry.children:
-            _find_released(entry, region)
+            find_released(entry, region)
         entry.leaf = not entry.children
         entry.last = len(self.entries) - 1
         entry.largest = max(sizes, default=0)
@@ -475,18 +368,18 @@ class Step:
             running += owned[i]
             if not entry.done:
                 continue
-            dropped = _dropped(entry)
+            dropped = evicted_whole(entry)
             if not entry.leaf:
                 continue
             if dropped:
                 rebuilt = entry.rebuilt
-            elif _partly_dropped(entry):  # NOTE [partial evictions]: its kept part is held
+            elif evicted_in_part(entry):  # NOTE [partial evictions]: its kept part is held
                 rebuilt = entry.rebuilt - entry.part_in_slots
             else:
                 rebuilt = 0
             outer = entry.parent
             while outer is not None:
-                if outer.done and _dropped(outer):
+                if outer.done and evicted_whole(outer):
                     # What the enclosing re-run rebuilt and backward has not yet let go.
                     rebuilt += sum(
                         nbytes
@@ -585,24 +478,24 @@ class Step:
                 self.counts[self.boundaries] = self.now_bytes + self._loose_bytes()
                 self.mark(f"b{self.boundaries}")
 
-    def _evictable(self) -> Iterator[_Entry]:
+    def _evictable(self) -> Iterator[Entry]:
         for entry in self.entries:
             if not entry.done or entry.ref is None:
                 continue
             region = entry.ref()
             if region is None or region.dropped:
                 continue
-            if all(_dropped(child) for child in entry.children):
+            if all(evicted_whole(child) for child in entry.children):
                 yield entry
 
-    def _pick(self, last: bool) -> tuple[_Entry, bool] | None:
+    def _pick(self, last: bool) -> tuple[Entry, bool] | None:
         """The region to evict next, and whether in part (NOTE [partial evictions]):
         a region in part before any whole, each stage in the eviction order."""
-        best: dict[bool, tuple[float, _Entry]] = {}
+        best: dict[bool, tuple[float, Entry]] = {}
         live = self._live
         for entry in self._evictable():
             region = entry.ref() if entry.ref is not None else None
-            partial = region is not None and not region.partly_dropped and _parts(entry)
+            partial = region is not None and not region.partly_dropped and may_go_in_part(entry)
             keys = [k for k in entry.keys if k not in entry.part] if partial else entry.keys
             freed = sum(live[k][0] for k in keys if live.get(k, (0, 0))[1] == 1)
             # At the forward's end, evicting it must lower backward's peak: only what
@@ -618,7 +511,7 @@ class Step:
                 return best[partial][1], partial
         return None
 
-    def _evict(self, entry: _Entry, partial: bool = False) -> None:
+    def _evict(self, entry: Entry, partial: bool = False) -> None:
         assert entry.ref is not None
         region = entry.ref()
         assert region is not None
@@ -657,34 +550,3 @@ class Step:
 
 def _mark_region(mark: Callable[[str], None], index: int, _: Any) -> None:
     mark(str(index))
-
-
-def _find_released(entry: _Entry, region: DroppableRegion) -> None:
-    """Mark the held storages that backward lets go with an inner region, not with ``entry``.
-
-    NOTE [the cap's count]: an inner region's inputs go through the enclosing
-    region's pack (NOTE [nesting]); the slots that holds are kept by the inner
-    region, so they go once backward is through it. Only a storage every slot of
-    which is such an input is marked (an op of ``entry``'s own may save it too).
-    """
-    for key, slots in region.held_slots.items():
-        inner = [child for child in entry.children if key in child.inputs]
-        if inner and sum(child.inputs[key] for child in inner) == slots:
-            entry.released[key] = min(child.index for child in inner)
-
-
-def _dropped(entry: _Entry) -> bool:
-    region = entry.ref() if entry.ref is not None else None
-    return region is None or region.dropped
-
-
-def _parts(entry: _Entry) -> bool:
-    """Whether ``entry`` may be evicted in part (NOTE [partial evictions]): its policy
-    keeps something of its own, and no more than `_PART` of what it holds."""
-    part = sum(entry.part.values())
-    return 0 < part <= _PART * entry.size
-
-
-def _partly_dropped(entry: _Entry) -> bool:
-    region = entry.ref() if entry.ref is not None else None
-    return region is not None and region.partly_dropped
