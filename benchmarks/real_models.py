@@ -19,6 +19,8 @@ budget on the largest batch: its peak over the budget and the gradients
 against plain. A model whose cap cannot hold says what the cap's error said.
 ``--passes 3`` runs the batch sizes three times over: from a size's second
 step on the cap repeats its decision (NOTE [steps of known shapes]), marked.
+``--partial selective`` caps with ``partial="selective"`` (NOTE [partial
+evictions]); the regions evicted in part are counted beside the whole ones.
 """
 
 from __future__ import annotations
@@ -135,7 +137,14 @@ def _peak(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> in
     return forget.measure(lambda: _step(model, batch), probe="profiler").peak_bytes
 
 
-def run(name: str, share: float, with_plan: bool, passes: int = 1, read: str = "largest") -> None:
+def run(
+    name: str,
+    share: float,
+    with_plan: bool,
+    passes: int = 1,
+    read: str = "largest",
+    partial: str | None = None,
+) -> None:
     make, batch_of, sizes = MODELS[name]
     torch.manual_seed(0)
     plain = make().train()
@@ -148,7 +157,7 @@ def run(name: str, share: float, with_plan: bool, passes: int = 1, read: str = "
     print(f"{name}: plain peak {plain_peak:,} B at batch {max(sizes)}; cap {cap_bytes:,} B")
     # NOTE [records within a measure]: the steps the cap reads (NOTE [what the count
     # misses]) it reads from the profiler that measures them here.
-    handle = forget.cap(capped, cap_bytes, read_allocator=read)
+    handle = forget.cap(capped, cap_bytes, read_allocator=read, partial=partial)
     rows = []
     held = True
     try:
@@ -167,6 +176,7 @@ def run(name: str, share: float, with_plan: bool, passes: int = 1, read: str = "
             equal = _same(_grads(plain), _grads(capped))
             rows.append(
                 f"{n}: {peak / cap_bytes:.3f} ({len(report.evicted)}/{len(report.regions)}"
+                f"{f', {len(report.partial)} in part' if report.partial else ''}"
                 f"{', repeated' if report.repeated else ''}"
                 f"{', read' if report.allocator_peak_bytes is not None else ''}"
                 f"{', grads EQUAL' if equal else ', grads DIFFER'})"
@@ -211,10 +221,11 @@ def main() -> None:
         help="the cap's read_allocator (NOTE [what the count misses])",
     )
     parser.add_argument("--passes", type=int, default=1, help="run the batch sizes this many times")
+    parser.add_argument("--partial", default=None, help="forget.cap's partial= (selective)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
-        run(name, args.share, args.plan, args.passes, args.read)
+        run(name, args.share, args.plan, args.passes, args.read, args.partial)
 
 
 if __name__ == "__main__":

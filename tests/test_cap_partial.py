@@ -159,3 +159,27 @@ def test_bad_partials(partial, error, match):
     with pytest.raises(error, match=match):
         forget.cap(net, 10**6, partial=partial)
     assert "forward" not in net.__dict__  # nothing applied
+
+
+def test_a_region_that_keeps_too_much_runs_without_the_policy_from_then_on(monkeypatch):
+    from forget.runtime import _cap
+
+    policies_seen: list[list[bool]] = []
+
+    class Counted(DroppableRegion):
+        def __init__(self, *args, **kwargs):
+            policies_seen[-1].append(kwargs.get("policy") is not None)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_cap, "DroppableRegion", Counted)
+    torch.manual_seed(0)
+    # Its policy keeps the first linear layer's output: half of what it holds.
+    net = nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)]
+    )
+    handle = forget.cap(net, 10**9, partial="selective")
+    for rows in (64, 128):  # two shapes: both steps capped
+        policies_seen.append([])
+        _step(net, rows)
+    assert policies_seen == [[True] * 3, [False] * 3]
+    assert not any(s.partial for s in handle.steps)

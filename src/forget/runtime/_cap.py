@@ -232,6 +232,7 @@ class Cap:
         self._leaves = frozenset(
             name for name in names if not any(o.startswith(f"{name}.") for o in names)
         )
+        self._whole_only: set[str] = set()  # leaves that keep too much to go in part
         self.eviction = eviction
         self.repeat_known_shapes = repeat_known_shapes
         self._budget_bytes = budget_bytes
@@ -347,6 +348,7 @@ class Cap:
             self._walks,
         )
         step.key = key  # NOTE [forward reaches]: the reaches read at these shapes
+        step.whole_only = self._whole_only  # NOTE [partial evictions]: learned step by step
         if step.cuda is not None:
             torch.cuda.reset_peak_memory_stats(step.cuda)
         else:
@@ -432,7 +434,7 @@ class Cap:
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
             step = self._begin(args, kwargs)
-        policy = self.partial if name in self._leaves else None
+        policy = self.partial if name in self._leaves and name not in step.whole_only else None
         region = DroppableRegion(original, args, kwargs, policy=policy)
         entry = step.enter(name, region.forward_inputs())
         start = time.perf_counter()

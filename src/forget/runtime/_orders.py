@@ -40,23 +40,30 @@ stages: in part (the policy's kept outputs stay, the rest goes; its re-run
 replays them), then whole. Every region in part goes before any goes whole,
 each stage in the eviction order by what it frees. A decision repeated at
 known shapes runs a region evicted in part as a policy region from the start
-(NOTE [steps of known shapes]). A region goes in part only where its policy
-keeps at most a quarter of what it holds (`PART`): a re-run in part runs the
-ops the policy did not keep, each through the policy's dispatch mode, and it
-pays where they hold most of the region (an attention's T x T scores,
-probabilities and masks), not where they are the many small ops around kept
-matmuls (norms, rotary embeddings, activations). Measured at 50 % and 512
-tokens against the plan: GPT-2's and BERT's layers keep 7 % in part, and in
-part ran at 0.97 to 1.09 of the plan's step (six runs) where whole at 1.03 to
-1.19 (five); Llama's keep 41 %, and in part ran at 1.08 to 1.15 where whole
-at 1.01 to 1.07 (benchmarks/measured.md, "Partial evictions"). A convolution block
-keeps nothing of its own under ``"selective"`` and goes whole. Off by default:
-a region run under the policy holds, until it returns, the outputs the policy
-keeps that plain autograd lets go at once (a matmul's output that only a ReLU
-or a residual sum reads), which a first step's reserve, guessed from the
-regions before, does not foresee: the tests' net with a 1024-wide head passed
-a cap at 80 % of its plain peak by 5 % on its first step with it on
-(tests/test_cap.py, `test_a_large_last_region_is_within_the_cap_by_the_ledger`).
+(NOTE [steps of known shapes]).
+
+A region goes in part only where its policy keeps at most a quarter of what
+it holds (`PART`); one seen to keep more runs without the policy from then on,
+where it would only hold more. A re-run in part runs the ops the policy did
+not keep, each through the policy's dispatch mode: it pays where they hold
+most of the region (an attention's T x T scores, probabilities and masks),
+not where they are the many small ops around kept matmuls (norms, rotary
+embeddings, activations). At 50 % and 512 tokens against the plan: GPT-2's
+and BERT's layers keep 7 % in part, and in part ran at 0.97 to 1.09 of the
+plan's step (six runs) where whole at 1.03 to 1.19 (five); Llama's keep 41 %,
+and in part ran at 1.08 to 1.15 where whole at 1.01 to 1.07.
+
+Off by default. A region under the policy holds, until it returns, the
+outputs the policy keeps that plain autograd lets go at once (a matmul's
+output that only a ReLU or a residual sum reads), which a first step's
+reserve, guessed from the regions before, does not foresee: the tests' net
+with a 1024-wide head passed a cap at 80 % of its plain peak by 5 % on its
+first step with it on (tests/test_cap.py,
+`test_a_large_last_region_is_within_the_cap_by_the_ledger`). And evicting in
+finer steps, the cap lands closer to its estimate, leaving less room for what
+its count misses: timm's ConvNeXt-Atto at 75 % peaked at 1.001 of the cap at
+a batch size no record read, where whole at 0.980. Figures:
+benchmarks/measured.md, "Partial evictions".
 """
 
 from __future__ import annotations

@@ -123,6 +123,9 @@ class Step:
         self.budget_bytes = budget_bytes
         self._score = EVICTIONS[eviction]
         self.learned = learned
+        # NOTE [partial evictions]: the regions that ran under the policy and keep too
+        # much of themselves to go in part; the cap runs them without it from then on.
+        self.whole_only: set[str] = set()
         self.extra_bytes = extra_bytes
         given = tensors_in(inputs)
         self.input_elements = max(sum(t.numel() for t in given), 1)
@@ -266,6 +269,8 @@ class Step:
         entry.part_in_slots = sum([n for k, n in entry.part.items() if k in region.held_bytes])
         sizes = list(held.values())
         entry.size = sum(sizes)
+        if region.policy is not None and not may_go_in_part(entry):
+            self.whole_only.add(entry.name)  # NOTE [partial evictions]
         self._grads_by_entry = None
         inputs = entry.inputs
         # A re-run rebuilds what the slots held, not what only its policy kept.
