@@ -87,13 +87,17 @@ def frozen_heap() -> Iterator[None]:
     walk only what the block made, and find the same cycles,
     so every figure is the same. Cycles among the frozen objects wait for the
     block's end (``gc.unfreeze``), as they would wait for any late collection.
+    Before freezing, only the young generations are collected (the garbage the
+    caller made last, a step's graph among it): a full collection there cost
+    as much as three plain steps of a small ResNet, twice per plan, and what
+    it would add, old cycles, waits for the block's end as the frozen ones do.
     A process that froze objects itself is left as it is (nothing is frozen or
     unfrozen here), and so is a block nested in another.
     """
     if gc.get_freeze_count():
         yield
         return
-    gc.collect()
+    gc.collect(1)
     gc.freeze()
     try:
         yield
