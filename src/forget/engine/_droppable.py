@@ -120,6 +120,8 @@ class DroppableRegion(Region):
         """
         if partial and self.policy is None:
             raise ValueError("forget: a partial drop needs a region run with a policy.")
+        if partial and self.dropped:
+            return  # emptied already
         if not partial:
             self.dropped, self.partly_dropped = True, False
             self._kept_ops, self._draw_states = {}, {}

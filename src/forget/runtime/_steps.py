@@ -23,10 +23,10 @@ region may add:
 the held bytes of the latest region with none inside, or of the next few as
 the last step ran them (learned per candidate, scaled by the input's elements),
 plus the largest storage once more (made, not yet saved) and the largest
-region output (the next one's, held by no region until it is saved; left
-out, a first step passed its cap by it, benchmarks/measured.md, "Partial
-evictions"); at shapes a record
-read, what the forward reached there instead (NOTE [forward reaches]). At the forward's end
+region output (the next one's, held by no region until it is saved; left out,
+a first step passed its cap by it, benchmarks/measured.md, "Partial
+evictions"); at shapes a record read, what the forward reached there instead
+(NOTE [forward reaches]). At the forward's end
 it is backward's peak, modelled region by region in backward's order: backward
 holds, at a region with none inside, what the regions up to it hold and keep (an
 evicted one counted while backward is inside it: rebuilt, with what the evicted
