@@ -14,6 +14,7 @@ import forget
 from forget import policies
 from forget.engine import DroppableRegion
 from forget.planning import DEFAULT_OPTIONS
+from forget.runtime import EVICTIONS
 
 SELECTIVE = DEFAULT_OPTIONS["selective"]
 
@@ -183,3 +184,18 @@ def test_a_region_that_keeps_too_much_runs_without_the_policy_from_then_on(monke
         _step(net, rows)
     assert policies_seen == [[True] * 3, [False] * 3]
     assert not any(s.partial for s in handle.steps)
+
+
+@pytest.mark.parametrize("eviction", sorted(EVICTIONS))
+def test_every_eviction_order_evicts_in_part_first_and_stays_exact(eviction):
+    budget = int(0.5 * _plain_peak(256))
+    plain, capped = _net(), _net()
+    handle = forget.cap(capped, budget, eviction=eviction, partial="selective")
+    for rows in (256, 256, 128):
+        want = _step(plain, rows)
+        peak = forget.measure(lambda r=rows: _step(capped, r)).peak_bytes
+        assert peak <= budget, (eviction, peak / budget)
+        assert _equal(want, {n: p.grad for n, p in capped.named_parameters()})
+    first = handle.steps[0]
+    # Whole only once every region that can go in part has gone in part.
+    assert first.partial and len(first.partial) + len(first.evicted) == 4

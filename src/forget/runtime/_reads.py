@@ -39,7 +39,10 @@ latest region's bytes and the largest storage, a reserve made for a step that
 knows nothing, which at known shapes kept a layer too few (GPT-2 and BERT at
 50 % of their plain peak: all four layers evicted where three hold). The reach
 is the allocator's own figure at those very shapes; sizes are never scaled
-from it. CUDA steps read no record and keep the reserve. Figures:
+from it. Like a repeated decision, it takes the same shapes to run the same
+regions: a model that skips layers at random (LayerDrop) wants
+``repeat_known_shapes=False``, which learns no reach. CUDA steps read no
+record and keep the reserve. Figures:
 benchmarks/measured.md, "Forward reaches".
 """
 
