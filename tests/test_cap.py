@@ -436,6 +436,37 @@ def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -> None:
+    tf = pytest.importorskip("transformers")
+    from forget.integrations import transformers as forget_hf
+    from forget.planning import DEFAULT_OPTIONS
+
+    config = tf.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=128, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = tf.GPT2LMHeadModel(config).train()
+    model = copy.deepcopy(plain)
+    ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(0))
+    peak = forget.measure(lambda: plain(input_ids=ids, labels=ids).loss.backward()).peak_bytes
+    selective = DEFAULT_OPTIONS["selective"]
+    forget_hf.enable(model, cap=int(0.75 * peak), policy=selective)
+    handle = forget_hf.cap_of(model)
+    assert handle is not None and handle.partial is selective
+    for _ in range(2):
+        for net in (plain, model):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            net(input_ids=ids, labels=ids).loss.backward()
+        assert _equal(_state(plain)[0], _state(model)[0])  # dropout replayed
+    assert any(report.partial for report in handle.steps)
+    forget_hf.disable(model)
+    with pytest.raises(ValueError, match="is no partial keep"):
+        forget_hf.enable(model, cap="1MB", policy=True)  # keeps every output
+    assert forget_hf.cap_of(model) is None
+
+
 def _wide() -> nn.Sequential:
     """Blocks whose weights' gradients weigh as much as what they save."""
     torch.manual_seed(0)

@@ -23,12 +23,14 @@ def enable_cap(
     budget: int | float | str,
     candidates: Any,
     others: dict[str, Any],
+    partial: Any = None,
 ) -> None:
     """`enable` with ``cap``: transformers' checkpointing off, a cap in (NOTE [cap in force]).
 
     ``door`` is the model's `_ForgetDoor` (new or found), ``found`` transformers'
     checkpointing as it is now and ``put_back`` what restores it; ``others`` the
-    other arguments of `enable`, which must be ``None``.
+    other arguments of `enable`, which must be ``None``; ``partial`` `enable`'s
+    ``policy``, what a region evicted in part keeps (`forget.cap`'s ``partial``).
     """
     from ..runtime import cap
 
@@ -40,7 +42,7 @@ def enable_cap(
         )
     undo = cleared(door, found, put_back)
     try:
-        door.cap = cap(door.model, budget, candidates=candidates)
+        door.cap = cap(door.model, budget, candidates=candidates, partial=partial)
     except BaseException:
         undo()
         raise

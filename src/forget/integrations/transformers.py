@@ -137,7 +137,9 @@ def enable(
         model: a ``transformers.PreTrainedModel`` (one that supports gradient
             checkpointing, unless ``budget`` is given), or a PEFT model wrapping one.
         policy: what each layer keeps (`forget.policies`); ``None`` keeps nothing
-            but the layer inputs. Not with ``budget`` (see ``options``).
+            but the layer inputs. Not with ``budget`` (see ``options``). With
+            ``cap``, what a region evicted in part keeps (`forget.cap`'s
+            ``partial``, NOTE [partial evictions]).
         preserve_rng_state: replay RNG in the recomputation (dropout stays exact);
             ``None`` keeps what the checkpoint keyword arguments say, else ``True``.
             Not with ``budget``: a plan's regions always replay it.
@@ -179,11 +181,12 @@ def enable(
     n = every_n_layers
     planning = {"inputs": inputs, "loss_fn": loss_fn, "candidates": candidates, "options": options}
     if cap is not None:
-        others = {**planning, "candidates": None, "budget": budget, "policy": policy}
+        others = {**planning, "candidates": None, "budget": budget}
         others |= {"preserve_rng_state": preserve_rng_state, "every_n_layers": n}
+        partial = None if policy is None or policy is False else as_policy(policy)
         capped = _base_model(model, layers=False)
         at = _door(capped) or _ForgetDoor(capped, _found_options(capped))
-        enable_cap(at, _checkpointing_state(capped), _put_back, cap, candidates, others)
+        enable_cap(at, _checkpointing_state(capped), _put_back, cap, candidates, others, partial)
         return model
     if budget is not None:
         layer_options = {"policy": policy, "preserve_rng_state": preserve_rng_state}
