@@ -172,8 +172,10 @@ class Reads:
         if step.key is not None:  # NOTE [forward reaches]
             reaches = self._reaches.setdefault(step.key, {})
             for boundary, counted in step.counts.items():
-                until = marks.get(f"b{boundary + 1}", forward)
-                reach = reading.peak(marks[f"b{boundary}"], until) - counted
+                mark = marks.get(f"b{boundary}")
+                if mark is None:
+                    continue  # the record stopped before it (another probe's)
+                reach = reading.peak(mark, marks.get(f"b{boundary + 1}", forward)) - counted
                 reaches[boundary] = max(reaches.get(boundary, reach), reach)
         peak = reading.peak(until=end)
         if peak > step.budget_bytes:

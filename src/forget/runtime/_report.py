@@ -14,8 +14,6 @@ class StepReport:
     Attributes:
         regions: the candidate regions the step ran, in forward order.
         evicted: those evicted whole (re-run in backward), in eviction order.
-        partial: those evicted in part: what the cap's ``partial`` policy keeps stays,
-            the rest is re-run in backward (NOTE [partial evictions]).
         estimated_peak_bytes: the largest estimate of the step's peak at a region
             boundary, after evictions (NOTE [the cap's count]).
         budget_bytes: the cap in force.
@@ -26,13 +24,15 @@ class StepReport:
         allocator_peak_bytes: on CPU, the allocator's own peak of the step, from its
             forward's start to its backward's end, where the step read it (NOTE [what
             the count misses]); else ``None``.
+        partial: those evicted in part: what the cap's ``partial`` policy keeps stays,
+            the rest is re-run in backward (NOTE [partial evictions]).
     """
 
     regions: tuple[str, ...]
     evicted: tuple[str, ...]
     estimated_peak_bytes: int
     budget_bytes: int
-    partial: tuple[str, ...] = ()
     evicted_forward_s: float = 0.0
     repeated: bool = False
     allocator_peak_bytes: int | None = None
+    partial: tuple[str, ...] = ()
