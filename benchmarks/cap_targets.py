@@ -37,7 +37,7 @@ evicted regions' forward time as the cap's own records have it
 
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
         [--times] [--rounds 5] [--floor] [--largest-first] [--passes 3] [--evictions dtr,largest]
-        [--split] [--calls] [--candidates NAMES]
+        [--split] [--calls] [--candidates NAMES] [--partial selective]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and ``pip install timm diffusers`` (models built from their code with random
 weights; nothing is downloaded)::
 
     PYTHONPATH=src /path/to/venv214/bin/python benchmarks/real_models.py
-        [--models resnet18,...] [--share 0.5] [--plan] [--passes 3]
+        [--models resnet18,...] [--share 0.5] [--plan] [--passes 3] [--partial selective]
 
 Per model, a plain copy and a capped copy run the same steps of varying batch
 sizes (the same seed before each, so dropout and stochastic depth draw alike):
