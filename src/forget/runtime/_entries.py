@@ -61,6 +61,10 @@ class Entry:
         # Held storages that are only inner regions' inputs -> the first such region.
         self.released: dict[StorageKey, int] = {}
 
+    def region(self) -> DroppableRegion | None:
+        """Its region, while it lives (``None`` before it returned, or once collected)."""
+        return None if self.ref is None else self.ref()
+
 
 def find_released(entry: Entry, region: DroppableRegion) -> None:
     """Mark the held storages that backward lets go with an inner region, not with ``entry``.
@@ -77,7 +81,7 @@ def find_released(entry: Entry, region: DroppableRegion) -> None:
 
 
 def evicted_whole(entry: Entry) -> bool:
-    region = entry.ref() if entry.ref is not None else None
+    region = entry.region()
     return region is None or region.dropped
 
 
@@ -89,5 +93,5 @@ def may_go_in_part(entry: Entry) -> bool:
 
 
 def evicted_in_part(entry: Entry) -> bool:
-    region = entry.ref() if entry.ref is not None else None
+    region = entry.region()
     return region is not None and region.partly_dropped

@@ -483,24 +483,21 @@ class Step:
                 self.counts[self.boundaries] = self.now_bytes + self._loose_bytes()
                 self.mark(f"b{self.boundaries}")
 
-    def _evictable(self) -> Iterator[Entry]:
+    def _evictable(self) -> Iterator[tuple[Entry, DroppableRegion]]:
         for entry in self.entries:
-            if not entry.done or entry.ref is None:
-                continue
-            region = entry.ref()
+            region = entry.region() if entry.done else None
             if region is None or region.dropped:
                 continue
             if all(evicted_whole(child) for child in entry.children):
-                yield entry
+                yield entry, region
 
     def _pick(self, last: bool) -> tuple[Entry, bool] | None:
         """The region to evict next, and whether in part (NOTE [partial evictions]):
         a region in part before any whole, each stage in the eviction order."""
         best: dict[bool, tuple[float, Entry]] = {}
         live = self._live
-        for entry in self._evictable():
-            region = entry.ref() if entry.ref is not None else None
-            partial = region is not None and not region.partly_dropped and may_go_in_part(entry)
+        for entry, region in self._evictable():
+            partial = not region.partly_dropped and may_go_in_part(entry)
             keys = [k for k in entry.keys if k not in entry.part] if partial else entry.keys
             freed = sum(live[k][0] for k in keys if live.get(k, (0, 0))[1] == 1)
             # At the forward's end, evicting it must lower backward's peak: only what
@@ -517,9 +514,9 @@ class Step:
         return None
 
     def _evict(self, entry: Entry, partial: bool = False) -> None:
-        assert entry.ref is not None
-        region = entry.ref()
+        region = entry.region()
         assert region is not None
+        was_in_part = region.partly_dropped
         region.drop(partial=partial)
         gone = [k for k in entry.keys if k not in entry.part] if partial else list(entry.keys)
         for key in gone:
@@ -528,10 +525,10 @@ class Step:
             if holders is not None and entry in holders:
                 holders.remove(entry)
         if partial:  # NOTE [partial evictions]
-            entry.keys = {k: entry.keys[k] for k in entry.keys if k in entry.part}
+            entry.keys = {k: n for k, n in entry.keys.items() if k in entry.part}
             self.partial.append(entry.name)
             return
-        if entry.name in self.partial and region.policy is not None:
+        if was_in_part:  # now whole
             self.partial.remove(entry.name)
         self.evicted.append(entry.name)
         self.evicted_forward_s += entry.cost_s
