@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import forget
+from _cap_steps import _equal
 from forget.runtime import EVICTIONS
 
 
@@ -58,10 +59,6 @@ def _step(net: nn.Module, x: torch.Tensor, seed: int = 5) -> None:
 def _state(net: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
     return grads, {n: b.clone() for n, b in net.named_buffers()}
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _plain_peak(batch: int) -> int:
@@ -403,16 +400,29 @@ def test_candidates_choose_the_regions() -> None:
     assert handle.last_step.regions == ("body.0", "body.1", "body.2", "body.3")
 
 
+def _tiny_gpt2(tf: Any, positions: int) -> nn.Module:
+    """A two-layer GPT-2 (dropout on) from a config, seeded."""
+    config = tf.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=positions, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(config).train()
+
+
+def _lm_steps(nets: tuple[nn.Module, ...], ids: torch.Tensor) -> None:
+    """One language-model step of each net on ``ids``, dropout drawing alike."""
+    for net in nets:
+        net.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        net(input_ids=ids, labels=ids).loss.backward()
+
+
 def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
     tf = pytest.importorskip("transformers")
     from forget.integrations import transformers as forget_hf
 
-    config = tf.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    plain = tf.GPT2LMHeadModel(config).train()
+    plain = _tiny_gpt2(tf, positions=64)
     model = copy.deepcopy(plain)
     big = torch.zeros(2, 48, dtype=torch.long)
     peak = forget.measure(lambda: plain(input_ids=big, labels=big).loss.backward()).peak_bytes
@@ -423,10 +433,7 @@ def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     for tokens in (16, 48, 32):  # shapes vary; nothing planned
         ids = torch.randint(0, 64, (2, tokens), generator=torch.Generator().manual_seed(tokens))
-        for net in (plain, model):
-            net.zero_grad(set_to_none=True)
-            torch.manual_seed(1)
-            net(input_ids=ids, labels=ids).loss.backward()
+        _lm_steps((plain, model), ids)
         assert _equal(_state(plain)[0], _state(model)[0])  # dropout replayed
     assert any(report.evicted for report in handle.steps)
     with pytest.raises(TypeError, match="do not go with cap="):
@@ -441,12 +448,7 @@ def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -
     from forget.integrations import transformers as forget_hf
     from forget.planning import DEFAULT_OPTIONS
 
-    config = tf.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=128, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    plain = tf.GPT2LMHeadModel(config).train()
+    plain = _tiny_gpt2(tf, positions=128)
     model = copy.deepcopy(plain)
     ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(0))
     peak = forget.measure(lambda: plain(input_ids=ids, labels=ids).loss.backward()).peak_bytes
@@ -455,10 +457,7 @@ def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -
     handle = forget_hf.cap_of(model)
     assert handle is not None and handle.partial is selective
     for _ in range(2):
-        for net in (plain, model):
-            net.zero_grad(set_to_none=True)
-            torch.manual_seed(1)
-            net(input_ids=ids, labels=ids).loss.backward()
+        _lm_steps((plain, model), ids)
         assert _equal(_state(plain)[0], _state(model)[0])  # dropout replayed
     assert any(report.partial for report in handle.steps)
     forget_hf.disable(model)

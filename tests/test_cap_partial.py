@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import forget
+from _cap_steps import _equal, _step
 from forget import policies
 from forget.engine import DroppableRegion
 from forget.planning import DEFAULT_OPTIONS
@@ -35,18 +36,6 @@ def _block() -> nn.Module:
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[_block() for _ in range(4)]).train()
-
-
-def _step(net: nn.Module, rows: int) -> dict[str, torch.Tensor]:
-    net.zero_grad(set_to_none=True)
-    torch.manual_seed(rows)
-    x = torch.randn(rows, 16)
-    net(x).square().mean().backward()
-    return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _region_grads(drop: str) -> tuple[dict[str, torch.Tensor], int, int]:

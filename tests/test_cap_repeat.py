@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import forget
+from _cap_steps import _step
 from forget.runtime import _cap
 
 
@@ -24,14 +25,6 @@ def _net() -> nn.Module:
         for _ in range(3)
     ]
     return nn.Sequential(*blocks).train()
-
-
-def _step(net: nn.Module, rows: int) -> dict[str, torch.Tensor]:
-    net.zero_grad(set_to_none=True)
-    torch.manual_seed(rows)
-    x = torch.randn(rows, 16)
-    net(x).square().mean().backward()
-    return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
 
 
 @pytest.fixture

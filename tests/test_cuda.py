@@ -110,6 +110,19 @@ def test_fast_path_on_cuda_matches_plain_over_steps_and_flips():
             assert torch.equal(p, q), step
 
 
+def _cap_step(net: nn.Module, rows: int) -> int:
+    """A step of the cap tests on ``rows`` rows: what it allocated at its peak."""
+    net.zero_grad(set_to_none=True)
+    torch.cuda.manual_seed(rows)
+    x = torch.randn(rows, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    net(x).square().mean().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
 def test_a_cap_on_cuda_holds_every_step_capped_and_repeated():
     # The cap's CUDA count (memory_allocated at region boundaries, the allocator's peak
     # teaching the reserve) and its repeated decisions (NOTE [steps of known shapes]),
@@ -122,24 +135,13 @@ def test_a_cap_on_cuda_holds_every_step_capped_and_repeated():
     plain = nn.Sequential(*[block() for _ in range(6)]).cuda()
     capped = copy.deepcopy(plain)
 
-    def step(net, rows):
-        net.zero_grad(set_to_none=True)
-        torch.cuda.manual_seed(rows)
-        x = torch.randn(rows, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        net(x).square().mean().backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
-
-    step(plain, 2048)  # the plain peak at the largest shape, after a warm-up
-    budget = int(0.6 * step(plain, 2048))
+    _cap_step(plain, 2048)  # the plain peak at the largest shape, after a warm-up
+    budget = int(0.6 * _cap_step(plain, 2048))
     handle = forget.cap(capped, budget)
     for rows in (512, 2048, 1024, 2048, 512, 2048, 1024):
-        step(plain, rows)
+        _cap_step(plain, rows)
         want = {n: p.grad.clone() for n, p in plain.named_parameters()}
-        got = step(capped, rows)
+        got = _cap_step(capped, rows)
         assert got <= budget, (rows, got, budget, handle.last_step)
         assert all(torch.equal(want[n], p.grad) for n, p in capped.named_parameters())
     assert any(s.repeated and s.evicted for s in handle.steps)
@@ -160,24 +162,13 @@ def test_a_cap_on_cuda_evicting_in_part_holds_every_step_and_stays_exact():
     plain = nn.Sequential(*[block() for _ in range(6)]).cuda()
     capped = copy.deepcopy(plain)
 
-    def step(net, rows):
-        net.zero_grad(set_to_none=True)
-        torch.cuda.manual_seed(rows)
-        x = torch.randn(rows, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        net(x).square().mean().backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
-
-    step(plain, 2048)
-    budget = int(0.6 * step(plain, 2048))
+    _cap_step(plain, 2048)
+    budget = int(0.6 * _cap_step(plain, 2048))
     handle = forget.cap(capped, budget, partial="selective")
     for rows in (2048, 2048, 1024, 2048):
-        step(plain, rows)
+        _cap_step(plain, rows)
         want = {n: p.grad.clone() for n, p in plain.named_parameters()}
-        got = step(capped, rows)
+        got = _cap_step(capped, rows)
         assert got <= budget, (rows, got, budget, handle.last_step)
         assert all(torch.equal(want[n], p.grad) for n, p in capped.named_parameters())
     assert any(s.partial for s in handle.steps)
