@@ -15,8 +15,8 @@ per shape, the peak with every default candidate region that has none inside it
 forgotten (`forget.apply_forget`): about the least any choice of those regions
 reaches, to tell a cap that cannot hold from a runtime that evicts badly.
 ``--largest-first`` runs the largest shape first, with nothing learned.
-``--partial selective`` caps with ``forget.cap(..., partial="selective")``
-(NOTE [partial evictions]).
+``--partial none`` caps with whole regions only (``forget.cap(..., partial=None)``;
+the default is ``"selective"``, NOTE [partial evictions]).
 ``--passes 3`` runs the shapes three times over: from the second step of a
 shape on, the cap repeats its decision (NOTE [steps of known shapes]).
 ``--split`` times instead, by CPU time, the forward and the backward of the
@@ -37,7 +37,7 @@ evicted regions' forward time as the cap's own records have it
 
     PYTHONPATH=src python benchmarks/cap_targets.py [--models llama,gpt2,bert,resnet]
         [--times] [--rounds 5] [--floor] [--largest-first] [--passes 3] [--evictions dtr,largest]
-        [--split] [--calls] [--candidates NAMES] [--partial selective]
+        [--split] [--calls] [--candidates NAMES] [--partial none]
 """
 
 from __future__ import annotations
@@ -359,6 +359,11 @@ def run_calls(name: str, candidates: list[str] | None = None) -> None:
     )
 
 
+def _partial(name: str) -> str | None:
+    """``--partial``'s value as `forget.cap` takes it."""
+    return None if name == "none" else name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,gpt2,bert,resnet")
@@ -371,7 +376,9 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="forward and backward CPU time")
     parser.add_argument("--calls", action="store_true", help="forward and backward Python calls")
     parser.add_argument("--candidates", default=None, help="regions of --split and --calls")
-    parser.add_argument("--partial", default=None, help="forget.cap's partial= (selective)")
+    parser.add_argument(
+        "--partial", default="selective", help="forget.cap's partial= (selective, or none)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     candidates = args.candidates.split(",") if args.candidates else None
@@ -385,11 +392,11 @@ def main() -> None:
         if args.evictions:
             run_evictions(name, args.evictions.split(","))
             continue
-        run_peaks(name, args.largest_first, args.passes, args.partial)
+        run_peaks(name, args.largest_first, args.passes, _partial(args.partial))
         if args.floor:
             run_floor(name)
         if args.times:
-            run_times(name, args.rounds, args.partial)
+            run_times(name, args.rounds, _partial(args.partial))
 
 
 if __name__ == "__main__":

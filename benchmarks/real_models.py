@@ -6,7 +6,7 @@ and ``pip install timm diffusers`` (models built from their code with random
 weights; nothing is downloaded)::
 
     PYTHONPATH=src /path/to/venv214/bin/python benchmarks/real_models.py
-        [--models resnet18,...] [--share 0.5] [--plan] [--passes 3] [--partial selective]
+        [--models resnet18,...] [--share 0.5] [--plan] [--passes 3] [--partial none]
 
 Per model, a plain copy and a capped copy run the same steps of varying batch
 sizes (the same seed before each, so dropout and stochastic depth draw alike):
@@ -19,8 +19,9 @@ budget on the largest batch: its peak over the budget and the gradients
 against plain. A model whose cap cannot hold says what the cap's error said.
 ``--passes 3`` runs the batch sizes three times over: from a size's second
 step on the cap repeats its decision (NOTE [steps of known shapes]), marked.
-``--partial selective`` caps with ``partial="selective"`` (NOTE [partial
-evictions]); the regions evicted in part are counted beside the whole ones.
+``--partial none`` caps with whole regions only (``partial=None``; the default
+is ``"selective"``, NOTE [partial evictions]); the regions evicted in part are
+counted beside the whole ones.
 """
 
 from __future__ import annotations
@@ -209,6 +210,11 @@ def run(
     )
 
 
+def _partial(name: str) -> str | None:
+    """``--partial``'s value as `forget.cap` takes it."""
+    return None if name == "none" else name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -221,11 +227,13 @@ def main() -> None:
         help="the cap's read_allocator (NOTE [what the count misses])",
     )
     parser.add_argument("--passes", type=int, default=1, help="run the batch sizes this many times")
-    parser.add_argument("--partial", default=None, help="forget.cap's partial= (selective)")
+    parser.add_argument(
+        "--partial", default="selective", help="forget.cap's partial= (selective, or none)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
-        run(name, args.share, args.plan, args.passes, args.read, args.partial)
+        run(name, args.share, args.plan, args.passes, args.read, _partial(args.partial))
 
 
 if __name__ == "__main__":

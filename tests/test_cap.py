@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import forget
 from _cap_steps import _equal
@@ -143,10 +144,53 @@ def test_a_large_last_region_is_within_the_cap_by_the_ledger() -> None:
     plain, net = make(), make()
     budget = int(0.8 * forget.measure(_step, make(), _x(64)).peak_bytes)
     handle = forget.cap(net, budget)
-    assert forget.measure(_step, net, _x(64)).peak_bytes <= budget
-    _step(plain, _x(64))
-    assert handle.last_step is not None and handle.last_step.evicted
-    assert _equal(_state(plain)[0], _state(net)[0])
+    for _ in range(3):  # whole regions, then (the shapes read) the head's kept output too
+        assert forget.measure(_step, net, _x(64)).peak_bytes <= budget
+        _step(plain, _x(64))
+        assert handle.last_step is not None
+        assert handle.last_step.evicted or handle.last_step.partial
+        assert _equal(_state(plain)[0], _state(net)[0])
+
+
+class Wide(nn.Module):
+    """A head of one module, no children: under the selective policy it keeps each
+    matmul's output of its first layer (``parts`` of them, summed) beside ReLU's."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.ups = nn.Parameter(torch.randn(parts, 1024, 16) / 4)
+        self.down = nn.Parameter(torch.randn(4, 1024) / 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.ups[0])
+        for up in self.ups[1:]:
+            h = h + F.linear(x, up)
+        return F.linear(torch.relu(h), self.down)
+
+
+@pytest.mark.parametrize("parts", [1, 6])
+@pytest.mark.parametrize("share", [0.95, 0.9, 0.85])
+def test_a_region_that_keeps_too_much_under_the_policy_holds_the_cap(share, parts):
+    # The second step, of shapes the first read, runs the head under the policy for
+    # the first time: its keep is bounded to a quarter of what it held then, and the
+    # head, whose policy keeps more, lets what it kept go as it returns.
+    def make() -> Net:
+        torch.manual_seed(0)
+        net = Net(depth=6)
+        net.head = Wide(parts)
+        return net.train()
+
+    plain, net = make(), make()
+    budget = int(share * forget.measure(_step, make(), _x(64)).peak_bytes)
+    handle = forget.cap(net, budget)
+    peaks = []
+    for _ in range(4):
+        peaks.append(forget.measure(_step, net, _x(64)).peak_bytes)
+        _step(plain, _x(64))
+        assert _equal(_state(plain)[0], _state(net)[0])
+    # The first step knows nothing of the head: its six sums pass what it guessed.
+    assert max(peaks[parts > 1 :]) <= budget, [p / budget for p in peaks]
+    assert not any(s.partial for s in handle.steps)
 
 
 class Stem(nn.Module):
@@ -453,10 +497,10 @@ def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -
     ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(0))
     peak = forget.measure(lambda: plain(input_ids=ids, labels=ids).loss.backward()).peak_bytes
     selective = DEFAULT_OPTIONS["selective"]
-    forget_hf.enable(model, cap=int(0.75 * peak), policy=selective)
+    forget_hf.enable(model, cap=int(0.8 * peak), policy=selective)
     handle = forget_hf.cap_of(model)
     assert handle is not None and handle.partial is selective
-    for _ in range(2):
+    for _ in range(3):  # read, then in part, then the decision repeated
         _lm_steps((plain, model), ids)
         assert _equal(_state(plain)[0], _state(model)[0])  # dropout replayed
     assert any(report.partial for report in handle.steps)
@@ -464,6 +508,11 @@ def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -
     with pytest.raises(ValueError, match="is no partial keep"):
         forget_hf.enable(model, cap="1MB", policy=True)  # keeps every output
     assert forget_hf.cap_of(model) is None
+    forget_hf.enable(model, cap="1MB")  # the cap's own default
+    assert (handle := forget_hf.cap_of(model)) is not None and handle.partial is selective
+    forget_hf.enable(model, cap="1MB", policy=False)  # whole layers only
+    assert (handle := forget_hf.cap_of(model)) is not None and handle.partial is None
+    forget_hf.disable(model)
 
 
 def _wide() -> nn.Sequential:

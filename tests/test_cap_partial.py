@@ -51,6 +51,13 @@ def _region_grads(drop: str) -> tuple[dict[str, torch.Tensor], int, int]:
         region = DroppableRegion(block, (x,), {}, policy=SELECTIVE)
         out = region.run_forward()
         kept = sum(region.kept_output_bytes.values())
+        if drop.startswith("released"):  # as if run without the policy from here
+            region.release_kept()
+            assert not region.kept_output_bytes
+            with pytest.raises(ValueError, match="partial drop needs"):
+                region.drop(partial=True)
+        if drop == "released, then whole":
+            region.drop()
         if drop in ("partial", "partial, then whole"):
             region.drop(partial=True)
             assert region.partly_dropped and not region.dropped
@@ -76,7 +83,7 @@ _reference = _block()
 
 def test_a_droppable_region_with_a_policy_drops_in_part_or_whole_and_stays_exact():
     plain, _, _ = _region_grads("plain")
-    drops = ("kept", "partial", "whole", "partial, then whole")
+    drops = ("kept", "partial", "whole", "partial, then whole", "released", "released, then whole")
     found = {drop: _region_grads(drop) for drop in drops}
     for drop, (grads, kept, _) in found.items():
         assert _equal(plain, grads), drop
@@ -85,8 +92,9 @@ def test_a_droppable_region_with_a_policy_drops_in_part_or_whole_and_stays_exact
         assert kept == 32 * 64 * 4 + 32 * 64 // 8, drop
     # Held, nothing re-runs; in part, the re-run replays the kept matmuls; whole, it
     # computes them again (the kernel's own event besides the replay's).
-    assert found["kept"][2] == 0
+    assert found["kept"][2] == found["released"][2] == 0
     assert 0 < found["partial"][2] < found["whole"][2] == found["partial, then whole"][2]
+    assert found["released, then whole"][2] == found["whole"][2]
 
 
 def test_a_partial_drop_needs_a_policy():
@@ -118,12 +126,15 @@ def test_a_cap_evicting_in_part_keeps_the_plain_gradients_buffers_and_the_cap(sh
         assert torch.equal(a, b)  # BatchNorm's statistics, updated once per step
     assert max(peaks) <= budget, [p / budget for p in peaks]
     steps = handle.steps
-    first = steps[0]
-    assert first.partial, "the cap evicted nothing in part"
+    # The first step, at shapes no record read, evicts whole regions only; the next
+    # of those shapes, reading its reaches, goes in part first.
+    assert steps[0].evicted and not steps[0].partial
+    second = steps[1]
+    assert second.partial, "the cap evicted nothing in part"
     if share == 0.65:  # in part only
-        assert not first.evicted
+        assert not second.evicted
     else:  # some in part, some of them then whole
-        assert first.evicted and not set(first.evicted) & set(first.partial)
+        assert second.evicted and not set(second.evicted) & set(second.partial)
     # The last step at 256 repeats the decision of the last capped one: the same
     # regions in part and whole, run as policy and forgotten regions from the start.
     at_256 = [s for s, rows in zip(steps, shapes, strict=True) if rows == 256]
@@ -163,20 +174,39 @@ def test_a_region_that_keeps_too_much_runs_without_the_policy_from_then_on(monke
 
     monkeypatch.setattr(_cap, "DroppableRegion", Counted)
     torch.manual_seed(0)
+
     # Its policy keeps the first linear layer's output: half of what it holds.
-    net = nn.Sequential(
-        *[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)]
-    )
-    handle = forget.cap(net, 10**9, partial="selective")
-    for rows in (64, 128):  # two shapes: both steps capped
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            *[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)]
+        )
+
+    net = make()
+    budget = int(0.85 * forget.measure(_step, make(), 64).peak_bytes)
+    handle = forget.cap(net, budget, partial="selective")
+    for _ in range(3):  # the first read, the second capped under the policy, and again
         policies_seen.append([])
-        _step(net, rows)
-    assert policies_seen == [[True] * 3, [False] * 3]
-    assert not any(s.partial for s in handle.steps)
+        forget.measure(_step, net, 64)
+    # Read: none under the policy. Then the first block under it keeps too much, and
+    # its kind runs without it from then on: the blocks after it in that step too.
+    assert policies_seen[:2] == [[False] * 3, [True, False, False]]
+    assert all(not seen or not any(seen) for seen in policies_seen[2:])
+    assert handle.steps[0].evicted and not any(s.partial for s in handle.steps)
 
 
 @pytest.mark.parametrize("eviction", sorted(EVICTIONS))
-def test_every_eviction_order_evicts_in_part_first_and_stays_exact(eviction):
+def test_every_eviction_order_evicts_in_part_first_and_stays_exact(eviction, monkeypatch):
+    from forget.runtime import _steps
+
+    evictions: dict[int, list[tuple[str, bool]]] = {}  # per step, in order
+    evict = _steps.Step._evict
+
+    def spied(self, entry, partial=False):
+        evictions.setdefault(id(self), []).append((entry.name, partial))
+        evict(self, entry, partial)
+
+    monkeypatch.setattr(_steps.Step, "_evict", spied)
     budget = int(0.5 * _plain_peak(256))
     plain, capped = _net(), _net()
     handle = forget.cap(capped, budget, eviction=eviction, partial="selective")
@@ -185,6 +215,10 @@ def test_every_eviction_order_evicts_in_part_first_and_stays_exact(eviction):
         peak = forget.measure(lambda r=rows: _step(capped, r)).peak_bytes
         assert peak <= budget, (eviction, peak / budget)
         assert _equal(want, {n: p.grad for n, p in capped.named_parameters()})
-    first = handle.steps[0]
-    # Whole only once every region that can go in part has gone in part.
-    assert first.partial and len(first.partial) + len(first.evicted) == 4
+    first, second = handle.steps[:2]  # the second, of shapes the first read
+    assert second.partial and not first.partial
+    # A region goes whole only once it went in part.
+    in_second = list(evictions.values())[1]
+    for i, (name, partial) in enumerate(in_second):
+        if not partial:
+            assert (name, True) in in_second[:i]

@@ -20,7 +20,9 @@ only the rest: the region is then a policy region, whose re-run replays the
 kept outputs (the matmuls of a ``selective`` keep are not run again). A full
 `drop` empties every slot and lets the kept outputs and draws go too; the
 re-run then runs every op, drawing again from the RNG state the forward began
-with, as a region with no policy does.
+with, as a region with no policy does. `release_kept` lets the kept outputs
+and draws go and keeps the slots: what a runtime does with a region whose
+policy kept too much to be worth a partial drop.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class DroppableRegion(Region):
         self._kept_indices: set[int] = set()  # the slots holding a kept output
         self.dropped = False
         self.partly_dropped = False
+        self._released = False  # `release_kept` ran
 
     def _external_slot(
         self, t: torch.Tensor, index: int, key: StorageKey, storage: torch.UntypedStorage | None
@@ -112,14 +115,26 @@ class DroppableRegion(Region):
                     kept.setdefault(storage_key(tensor), s.nbytes())
         return out
 
+    def release_kept(self) -> None:
+        """Let go what the policy kept beyond the slots: the region is then as if run
+        without it, and only a full `drop` is left to it (NOTE [partial drops])."""
+        if self.policy is None or self.dropped:
+            return
+        self._kept_ops, self._draw_states = {}, {}
+        self.kept_output_bytes = {}
+        self._released = True
+
     def drop(self, *, partial: bool = False) -> None:
         """Empty the slots: backward re-runs the region for what it needs.
 
         With ``partial``, the outputs its policy keeps stay, and the re-run replays
         them (NOTE [partial drops]); without, everything goes.
         """
-        if partial and self.policy is None:
-            raise ValueError("forget: a partial drop needs a region run with a policy.")
+        if partial and (self.policy is None or self._released):
+            raise ValueError(
+                "forget: a partial drop needs a region run with a policy that still holds "
+                "what it kept (no `release_kept`)."
+            )
         if partial and self.dropped:
             return  # emptied already
         if not partial:

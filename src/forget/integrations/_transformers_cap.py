@@ -23,7 +23,7 @@ def enable_cap(
     budget: int | float | str,
     candidates: Any,
     others: dict[str, Any],
-    partial: Any = None,
+    partial: Any = "selective",
 ) -> None:
     """`enable` with ``cap``: transformers' checkpointing off, a cap in (NOTE [cap in force]).
 

@@ -139,7 +139,8 @@ def enable(
         policy: what each layer keeps (`forget.policies`); ``None`` keeps nothing
             but the layer inputs. Not with ``budget`` (see ``options``). With
             ``cap``, what a region evicted in part keeps (`forget.cap`'s
-            ``partial``, NOTE [partial evictions]).
+            ``partial``, NOTE [partial evictions]): ``None`` its default,
+            ``"selective"``; ``False`` evicts whole layers only.
         preserve_rng_state: replay RNG in the recomputation (dropout stays exact);
             ``None`` keeps what the checkpoint keyword arguments say, else ``True``.
             Not with ``budget``: a plan's regions always replay it.
@@ -183,7 +184,7 @@ def enable(
     if cap is not None:
         others = {**planning, "candidates": None, "budget": budget}
         others |= {"preserve_rng_state": preserve_rng_state, "every_n_layers": n}
-        partial = None if policy is None or policy is False else as_policy(policy)
+        partial = "selective" if policy is None else None if policy is False else as_policy(policy)
         capped = _base_model(model, layers=False)
         at = _door(capped) or _ForgetDoor(capped, _found_options(capped))
         enable_cap(at, _checkpointing_state(capped), _put_back, cap, candidates, others, partial)

@@ -66,7 +66,7 @@ from ..schedules import parse_budget
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
 from ._reads import READ_ALLOCATOR, Reads
-from ._regions import partial_policy, with_finer
+from ._regions import Partial, partial_policy, with_finer
 from ._report import StepReport
 from ._steps import Step
 
@@ -84,7 +84,7 @@ def cap(
     eviction: str = "largest",
     repeat_known_shapes: bool = True,
     read_allocator: str = "largest",
-    partial: str | Policy | None = None,
+    partial: str | Policy | None = "selective",
 ) -> Cap:
     """Keep every training step of ``model`` under ``budget`` bytes, in place, with no plan.
 
@@ -127,9 +127,10 @@ def cap(
         partial: what a region evicted in part keeps (NOTE [partial evictions]):
             ``"selective"`` (the outputs of its linear layers, fused attention and
             dropout masks, as `forget.plan`'s option of that name) or a
-            `forget.policies.Policy` that keeps op outputs; ``None`` (the default)
-            evicts whole regions only. A region goes in part only where that keeps
-            at most a quarter of what it holds.
+            `forget.policies.Policy` that keeps op outputs; ``None`` evicts whole
+            regions only. A region goes in part only at shapes a record read (the
+            second capped step of those shapes on), and only where that keeps at
+            most a quarter of what it holds.
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.
@@ -229,10 +230,12 @@ class Cap:
         self.names = tuple(names)
         self.partial = partial
         # NOTE [partial evictions]: the regions with no candidate inside run with it.
-        self._leaves = frozenset(
-            name for name in names if not any(o.startswith(f"{name}.") for o in names)
-        )
-        self._whole_only: set[str] = set()  # leaves that keep too much to go in part
+        kinds = {
+            name: type(model.get_submodule(name))
+            for name in names
+            if not any(o.startswith(f"{name}.") for o in names)
+        }
+        self._partial = None if partial is None else Partial(partial, kinds)
         self.eviction = eviction
         self.repeat_known_shapes = repeat_known_shapes
         self._budget_bytes = budget_bytes
@@ -348,11 +351,13 @@ class Cap:
             self._walks,
         )
         step.key = key  # NOTE [forward reaches]: the reaches read at these shapes
-        step.whole_only = self._whole_only  # NOTE [partial evictions]: learned step by step
         if step.cuda is not None:
             torch.cuda.reset_peak_memory_stats(step.cuda)
         else:
             self._reads.apply(step)  # NOTE [what the count misses]
+        # NOTE [partial evictions]: at shapes seen, and on CPU read, the policy.
+        if key is not None and key in self._seen and (step.cuda is not None or step.reaches):
+            step.keeping = self._partial
         self._step = step
         return step
 
@@ -434,8 +439,7 @@ class Cap:
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
             step = self._begin(args, kwargs)
-        policy = self.partial if name in self._leaves and name not in step.whole_only else None
-        region = DroppableRegion(original, args, kwargs, policy=policy)
+        region = DroppableRegion(original, args, kwargs, policy=step.policy_for(name))
         entry = step.enter(name, region.forward_inputs())
         start = time.perf_counter()
         try:

@@ -8,7 +8,14 @@ from typing import Any
 from ..engine import DroppableRegion, StorageKey
 from ._orders import PART
 
-__all__ = ["Entry", "evicted_in_part", "evicted_whole", "find_released", "may_go_in_part"]
+__all__ = [
+    "Entry",
+    "evicted_in_part",
+    "evicted_whole",
+    "find_released",
+    "may_go_in_part",
+    "worth_a_part",
+]
 
 
 class Entry:
@@ -88,8 +95,13 @@ def evicted_whole(entry: Entry) -> bool:
 def may_go_in_part(entry: Entry) -> bool:
     """Whether ``entry`` may be evicted in part (NOTE [partial evictions]): its policy
     keeps something of its own, and no more than `PART` of what it holds."""
-    part = sum(entry.part.values())
-    return 0 < part <= PART * entry.size
+    return worth_a_part(sum(entry.part.values()), entry.size)
+
+
+def worth_a_part(part: int, size: int) -> bool:
+    """Whether a region that keeps ``part`` of its ``size`` bytes through a partial
+    eviction may go in part: it keeps something, and at most `PART` of it."""
+    return 0 < part <= PART * size
 
 
 def evicted_in_part(entry: Entry) -> bool:

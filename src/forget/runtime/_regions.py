@@ -6,9 +6,10 @@ from __future__ import annotations
 from torch import nn
 
 from ..planning import DEFAULT_OPTIONS
-from ..policies import Policy
+from ..policies import Action, Policy
+from ._orders import BOUND
 
-__all__ = ["partial_policy", "with_finer"]
+__all__ = ["BoundedKeep", "Partial", "partial_policy", "with_finer"]
 
 
 def partial_policy(partial: str | Policy | None) -> Policy | None:
@@ -72,3 +73,68 @@ def with_finer(model: nn.Module, names: list[str]) -> list[str]:
             out += children
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(out, key=order.__getitem__)
+
+
+class Partial:
+    """What a cap's partial evictions keep, and have learned, per kind of region (its
+    class): NOTE [partial evictions].
+
+    Args:
+        policy: what a region evicted in part keeps.
+        kinds: the class of each region that may run under it (those with none inside).
+    """
+
+    def __init__(self, policy: Policy, kinds: dict[str, type]) -> None:
+        self.policy = policy
+        self._kinds = kinds
+        self._too_much: set[type] = set()  # kinds seen keeping too much to go in part
+        self._shares: dict[type, float] = {}  # what each keeps beyond its slots, per bytes
+
+    def runs(self, name: str) -> bool:
+        """Whether region ``name`` runs under the policy."""
+        kind = self._kinds.get(name)
+        return kind is not None and kind not in self._too_much
+
+    def share(self, name: str) -> float:
+        """What region ``name`` keeps beyond its slots, per its bytes: the most a region of
+        its kind was seen to, or `BOUND`, the most its bounded keep lets it."""
+        return self._shares.get(self._kinds.get(name), BOUND)  # type: ignore[arg-type]
+
+    def keep(self, limit: int) -> BoundedKeep:
+        """The policy for one region run, keeping at most ``limit`` bytes."""
+        return BoundedKeep(self.policy, limit)
+
+    def learn(self, name: str, share: float, too_much: bool) -> None:
+        """A region ran under the policy and kept ``share`` beyond its slots; ``too_much``:
+        too much to go in part (`worth_a_part`), or its bound refused a keep."""
+        kind = self._kinds[name]
+        if too_much:
+            self._too_much.add(kind)
+        else:
+            self._shares[kind] = max(self._shares.get(kind, 0.0), share)
+
+
+class BoundedKeep:
+    """A policy's keeps in one region run, up to ``limit`` bytes (NOTE [partial
+    evictions]): past it, the op is recomputed and ``refused`` says so.
+
+    Attributes:
+        policy: the policy the region runs with.
+        refused: whether an op output the policy keeps was refused.
+    """
+
+    def __init__(self, policy: Policy, limit: int) -> None:
+        self._inner, self._limit, self._kept = policy, limit, 0
+        self.refused = False
+        self.policy = Policy(self._rule, f"{policy}, up to {limit:,} B")
+
+    def _rule(self, op: str, nbytes: int) -> Action:
+        action = self._inner.rule(op, nbytes)  # ``op`` is normalized by `Policy.decide`
+        if action is Action.SAVE:
+            if op == "aten.bernoulli_":  # kept as bits (NOTE [kept draws]): an eighth at most
+                nbytes //= 8
+            if self._kept + nbytes > self._limit:
+                self.refused = True
+                return Action.RECOMPUTE
+            self._kept += nbytes
+        return action

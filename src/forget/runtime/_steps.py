@@ -81,10 +81,19 @@ from torch import nn
 
 from ..engine import DroppableRegion, ModuleWalks, StorageKey, storage_key, storage_keys, storage_of
 from ..errors import ForgetError
-from ._entries import Entry, evicted_in_part, evicted_whole, find_released, may_go_in_part
+from ..policies import Policy
+from ._entries import (
+    Entry,
+    evicted_in_part,
+    evicted_whole,
+    find_released,
+    may_go_in_part,
+    worth_a_part,
+)
 from ._grads import gradients_by_entry
-from ._orders import EVICTIONS
+from ._orders import BOUND, EVICTIONS
 from ._outputs import on_backward_end, tensor_bytes, tensors_in
+from ._regions import BoundedKeep, Partial
 from ._report import StepReport
 
 __all__ = ["Step"]
@@ -123,9 +132,10 @@ class Step:
         self.budget_bytes = budget_bytes
         self._score = EVICTIONS[eviction]
         self.learned = learned
-        # NOTE [partial evictions]: the regions that ran under the policy and keep too
-        # much of themselves to go in part; the cap runs them without it from then on.
-        self.whole_only: set[str] = set()
+        # NOTE [partial evictions]: what the regions with none inside run with, and have
+        # learned (None: none runs under a policy in this step); each one's bounded keep.
+        self.keeping: Partial | None = None
+        self._keeps: dict[str, BoundedKeep] = {}
         self.extra_bytes = extra_bytes
         given = tensors_in(inputs)
         self.input_elements = max(sum(t.numel() for t in given), 1)
@@ -257,6 +267,8 @@ class Step:
         entry.end = self.boundaries + 1  # the boundary `settle` counts below
         entry.cost_s = cost_s
         entry.done = True
+        if (keep := self._keeps.pop(entry.name, None)) is not None:
+            self._kept_too_much(entry, region, keep)
         # NOTE [partial evictions]: what its policy keeps is held too, in a slot or not.
         held = {**region.kept_output_bytes, **region.held_bytes}
         kept, holders = region.kept_bytes, self._holders
@@ -269,8 +281,6 @@ class Step:
         entry.part_in_slots = sum([n for k, n in entry.part.items() if k in region.held_bytes])
         sizes = list(held.values())
         entry.size = sum(sizes)
-        if region.policy is not None and not may_go_in_part(entry):
-            self.whole_only.add(entry.name)  # NOTE [partial evictions]
         self._grads_by_entry = None
         inputs = entry.inputs
         # A re-run rebuilds what the slots held, not what only its policy kept.
@@ -291,6 +301,33 @@ class Step:
         self.learned[entry.name] = (entry.size, self.input_elements, entry.leaf)
         # A region run without the model's forward: any boundary may be the last.
         self.settle(entry.name, last=not self.rooted)
+
+    def policy_for(self, name: str) -> Policy | None:
+        """What region ``name`` runs with (NOTE [partial evictions]): the partial keep,
+        bounded to `BOUND` of the bytes it held when it last ran, scaled; or None."""
+        partial = self.keeping
+        if partial is None or not partial.runs(name):
+            return None
+        size, elements, _ = self.learned.get(name, (0, 1, False))
+        limit = int(BOUND * size * self.input_elements // max(elements, 1))
+        if limit <= 0:
+            return None
+        keep = self._keeps[name] = partial.keep(limit)
+        return keep.policy
+
+    def _kept_too_much(self, entry: Entry, region: DroppableRegion, keep: BoundedKeep) -> None:
+        """NOTE [partial evictions]: learn what a region under the policy keeps beyond
+        its slots; where it kept too much to go in part (or its bound refused some), let
+        that go at once (the region is then as if run without the policy)."""
+        assert self.keeping is not None
+        kept, slots = region.kept_output_bytes, region.held_bytes
+        size = sum({**kept, **slots}.values())
+        beyond = sum([n for k, n in kept.items() if k not in slots])
+        part = sum([n for k, n in kept.items() if k not in entry.inputs])
+        too_much = keep.refused or not worth_a_part(part, size)
+        self.keeping.learn(entry.name, beyond / max(size, 1), too_much)
+        if too_much:
+            region.release_kept()
 
     def model_returned(self, out: Any) -> None:
         # NOTE [the cap's count]: a loss the model returns was counted as it ran.
@@ -421,13 +458,24 @@ class Step:
         if not last:
             reach = self.reaches.get(self.boundaries) if self._in_order else None
             if reach is not None:  # NOTE [forward reaches]
-                return now + self._loose_bytes() + reach
-            return now + self._loose_bytes() + self._forward_reserve()
+                return now + self._loose_bytes() + reach + self._kept_reserve()
+            return now + self._loose_bytes() + self._forward_reserve() + self._kept_reserve()
         peak, self._peak_at = self._backward(now)
         if peak > self.budget_bytes and self._new_grads:
             # NOTE [gradients as they come]: worth the walk only where it may matter.
             peak, self._peak_at = self._backward(now, refine=True)
         return max(now, peak)
+
+    def _kept_reserve(self) -> int:
+        """NOTE [partial evictions]: the next region, where it runs under the policy,
+        also holds what its policy keeps beyond its slots, which the reach (read with
+        the region whole) did not: the share a region of its kind was seen to keep, or
+        the most its bound lets it."""
+        done, partial = len(self.entries), self.keeping
+        if partial is None or done >= len(self.order) or not partial.runs(self.order[done]):
+            return 0
+        size, elements, _ = self.learned.get(name := self.order[done], (0, 1, False))
+        return int(partial.share(name) * size * self.input_elements // max(elements, 1))
 
     def _gradients_by_entry(self) -> tuple[int, list[int]]:
         """What `gradients_by_entry` finds, once per step (entries reset it)."""
