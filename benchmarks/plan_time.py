@@ -3,7 +3,8 @@
     python benchmarks/plan_time.py [--models llama,gpt2,bert,resnet]
         [--budgets 75%,50%,least] [--repeats 5]
 
-The models of benchmarks/tree_targets.py (its ``MODELS``), one torch thread.
+The models of benchmarks/tree_targets.py (its ``MODELS``), one torch thread;
+by name only, ``resnet18`` (`LARGER`): the same ResNet at a real model's size.
 Per model: the plain step's CPU time (`time.process_time`, the mean of
 ``--repeats`` steps after two warm-up steps), then per budget a fresh
 `forget.planning.TreePlanner` (what `forget.plan` runs, with the default
@@ -26,6 +27,23 @@ import forget
 from forget.memory import frozen_heap
 from forget.planning import DEFAULT_OPTIONS, TreePlanner
 from tree_targets import MODELS
+
+
+def _resnet18(quick: bool) -> tuple[torch.nn.Module, dict[str, object]]:
+    """A ResNet-18 of transformers' (widths 64 to 512, two blocks a stage), 16 images of
+    224 x 224: the small ResNet's planning at a real model's size (by name only)."""
+    import transformers as tf
+
+    config = tf.ResNetConfig(
+        num_channels=3, embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
+        layer_type="basic", num_labels=10,
+    )  # fmt: skip
+    inputs = {"pixel_values": torch.randn(16, 3, 224, 224), "labels": torch.arange(16) % 10}
+    return tf.ResNetForImageClassification(config).train(), inputs
+
+
+#: Models run by name only, not by default.
+LARGER = {"resnet18": (_resnet18, "")}
 
 
 def plain_step_s(model: torch.nn.Module, inputs: dict[str, object], repeats: int) -> float:
@@ -57,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("| model | budget | plan s | 30 plain steps s | ratio | assignments | peak / budget |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
-        factory, _ = MODELS[name]
+        factory, _ = {**MODELS, **LARGER}[name]
         torch.manual_seed(0)
         model, inputs = factory(False)
         thirty = 30 * plain_step_s(model, inputs, args.repeats)

@@ -199,11 +199,12 @@ def test_a_region_that_keeps_too_much_runs_without_the_policy_from_then_on(monke
 def test_every_eviction_order_evicts_in_part_first_and_stays_exact(eviction, monkeypatch):
     from forget.runtime import _steps
 
-    evictions: dict[int, list[tuple[str, bool]]] = {}  # per step, in order
+    # Per step, in order; the steps held here, so that none's id is another's.
+    evictions: dict[_steps.Step, list[tuple[str, bool]]] = {}
     evict = _steps.Step._evict
 
     def spied(self, entry, partial=False):
-        evictions.setdefault(id(self), []).append((entry.name, partial))
+        evictions.setdefault(self, []).append((entry.name, partial))
         evict(self, entry, partial)
 
     monkeypatch.setattr(_steps.Step, "_evict", spied)

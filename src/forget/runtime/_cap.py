@@ -128,9 +128,9 @@ def cap(
             ``"selective"`` (the outputs of its linear layers, fused attention and
             dropout masks, as `forget.plan`'s option of that name) or a
             `forget.policies.Policy` that keeps op outputs; ``None`` evicts whole
-            regions only. A region goes in part only at shapes a record read (the
-            second capped step of those shapes on), and only where that keeps at
-            most a quarter of what it holds.
+            regions only. A region goes in part only from the second capped step
+            of a shape on (on CPU, of a shape a record read), and only where that
+            keeps at most a quarter of what it holds.
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.

@@ -96,9 +96,9 @@ class Partial:
         return kind is not None and kind not in self._too_much
 
     def share(self, name: str) -> float:
-        """What region ``name`` keeps beyond its slots, per its bytes: the most a region of
-        its kind was seen to, or `BOUND`, the most its bounded keep lets it."""
-        return self._shares.get(self._kinds.get(name), BOUND)  # type: ignore[arg-type]
+        """What region ``name`` (one that `runs`) keeps beyond its slots, per its bytes: the
+        most a region of its kind was seen to, or `BOUND`, the most its keep may hold."""
+        return self._shares.get(self._kinds[name], BOUND)
 
     def keep(self, limit: int) -> BoundedKeep:
         """The policy for one region run, keeping at most ``limit`` bytes."""

@@ -308,8 +308,7 @@ class Step:
         partial = self.keeping
         if partial is None or not partial.runs(name):
             return None
-        size, elements, _ = self.learned.get(name, (0, 1, False))
-        limit = int(BOUND * size * self.input_elements // max(elements, 1))
+        limit = int(BOUND * self._learned_bytes(name))
         if limit <= 0:
             return None
         keep = self._keeps[name] = partial.keep(limit)
@@ -444,10 +443,14 @@ class Step:
         latest = next((e.size for e in reversed(self.entries) if e.done and e.leaf), 0)
         done = len(self.entries)
         for name in self.order[done : done + _AHEAD]:
-            size, elements, leaf = self.learned.get(name, (0, 1, False))
-            if leaf:
-                latest = max(latest, size * self.input_elements // max(elements, 1))
+            if self.learned.get(name, (0, 1, False))[2]:
+                latest = max(latest, self._learned_bytes(name))
         return latest
+
+    def _learned_bytes(self, name: str) -> int:
+        """The bytes region ``name`` held when it last ran, scaled to this step's input."""
+        size, elements, _ = self.learned.get(name, (0, 1, False))
+        return size * self.input_elements // max(elements, 1)
 
     def estimate_bytes(self, last: bool) -> int:
         """The step's estimated peak from here on; at the forward's end, backward's."""
@@ -474,8 +477,8 @@ class Step:
         done, partial = len(self.entries), self.keeping
         if partial is None or done >= len(self.order) or not partial.runs(self.order[done]):
             return 0
-        size, elements, _ = self.learned.get(name := self.order[done], (0, 1, False))
-        return int(partial.share(name) * size * self.input_elements // max(elements, 1))
+        name = self.order[done]
+        return int(partial.share(name) * self._learned_bytes(name))
 
     def _gradients_by_entry(self) -> tuple[int, list[int]]:
         """What `gradients_by_entry` finds, once per step (entries reset it)."""
