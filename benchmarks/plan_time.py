@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,15 +30,16 @@ from forget.planning import DEFAULT_OPTIONS, TreePlanner
 from tree_targets import MODELS
 
 
-def _resnet18(quick: bool) -> tuple[torch.nn.Module, dict[str, object]]:
+def _resnet18(quick: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
     """A ResNet-18 of transformers' (widths 64 to 512, two blocks a stage), 16 images of
     224 x 224: the small ResNet's planning at a real model's size (by name only)."""
     import transformers as tf
 
-    config = tf.ResNetConfig(
+    sizes: dict[str, Any] = dict(
         num_channels=3, embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
         layer_type="basic", num_labels=10,
     )  # fmt: skip
+    config = tf.ResNetConfig(**sizes)
     inputs = {"pixel_values": torch.randn(16, 3, 224, 224), "labels": torch.arange(16) % 10}
     return tf.ResNetForImageClassification(config).train(), inputs
 
