@@ -154,7 +154,8 @@ def test_a_large_last_region_is_within_the_cap_by_the_ledger() -> None:
 
 class Wide(nn.Module):
     """A head of one module, no children: under the selective policy it keeps each
-    matmul's output of its first layer (``parts`` of them, summed) beside ReLU's."""
+    matmul's output of its first layer (``parts`` slices of one parameter, their
+    outputs summed) beside ReLU's."""
 
     def __init__(self, parts: int) -> None:
         super().__init__()
@@ -188,7 +189,9 @@ def test_a_region_that_keeps_too_much_under_the_policy_holds_the_cap(share, part
         peaks.append(forget.measure(_step, net, _x(64)).peak_bytes)
         _step(plain, _x(64))
         assert _equal(_state(plain)[0], _state(net)[0])
-    # The first step knows nothing of the head: its six sums pass what it guessed.
+    # With six slices the first step passes the cap in backward: each slice's gradient
+    # is a zero tensor of the whole parameter's size, which the first step's model of
+    # backward does not foresee; its read teaches the next.
     assert max(peaks[parts > 1 :]) <= budget, [p / budget for p in peaks]
     assert not any(s.partial for s in handle.steps)
 

@@ -46,8 +46,8 @@ the start (NOTE [steps of known shapes]).
 A region goes in part only where its policy keeps at most a quarter of what it
 holds (`PART`). One seen to keep more lets what its policy kept go as it
 returns (`DroppableRegion.release_kept`: it is then as if run without it), and
-the regions of its kind (its class) run without the policy from then on. A re-
-run in part runs the ops the policy did not keep, each through the policy's
+the regions of its kind (its class) run without the policy from then on. A
+re-run in part runs the ops the policy did not keep, each through the policy's
 dispatch mode: it pays where they hold most of the region (an attention's T x
 T scores, probabilities and masks), not where they are the many small ops
 around kept matmuls (norms, rotary embeddings, activations). At 50 % and 512
