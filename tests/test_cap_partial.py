@@ -145,6 +145,26 @@ def test_a_cap_evicting_in_part_keeps_the_plain_gradients_buffers_and_the_cap(sh
     handle.remove()
 
 
+def test_shapes_seen_and_never_read_are_read_once_then_go_in_part():
+    # The larger shape is read first; the smaller one, never larger than any read,
+    # evicts whole on its first step, is read on its second, goes in part on its
+    # third (its decision), and repeats that on its fourth.
+    budget = int(0.55 * _plain_peak(192))
+    plain, capped = _net(), _net()
+    handle = forget.cap(capped, budget)
+    shapes = (256, 192, 192, 192, 192)
+    for rows in shapes:
+        want = _step(plain, rows)
+        assert forget.measure(lambda r=rows: _step(capped, r)).peak_bytes <= budget
+        assert _equal(want, {n: p.grad for n, p in capped.named_parameters()})
+    read = [s.allocator_peak_bytes is not None for s in handle.steps]
+    assert read == [True, False, True, False, False], read
+    small = handle.steps[1:]
+    assert [bool(s.partial) for s in small] == [False, False, True, True]
+    assert [s.repeated for s in small] == [False, False, False, True]
+    handle.remove()
+
+
 @pytest.mark.parametrize(
     ("partial", "error", "match"),
     [

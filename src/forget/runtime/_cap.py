@@ -119,10 +119,10 @@ def cap(
         read_allocator: on CPU, which steps read the allocator's own record, to learn
             what the cap's count of tensors misses (kernels' own buffers: NOTE
             [what the count misses]): ``"largest"`` (the default: the first capped
-            step, each with more input elements than any read before, and the
-            next of a size whose read passed the cap), ``"every"`` (every step,
-            its peak then in
-            `StepReport.allocator_peak_bytes`) or ``"never"``. CUDA's counters
+            step, each with more input elements than any read before, the next
+            of a size whose read passed the cap and, with ``partial``, the second
+            of shapes none of these read), ``"every"`` (every step, its peak then
+            in `StepReport.allocator_peak_bytes`) or ``"never"``. CUDA's counters
             are read on every step whatever this says.
         partial: what a region evicted in part keeps (NOTE [partial evictions]):
             ``"selective"`` (the outputs of its linear layers, fused attention and
@@ -332,7 +332,9 @@ class Cap:
         held = held and (read is None or read <= previous.budget_bytes)
         if key is not None and held:
             evicted = previous.evicted or previous.partial  # NOTE [partial evictions]
-            if not evicted or key in self._seen:  # NOTE [steps of known shapes]
+            # NOTE [steps of known shapes]; a read of shapes seen decides at the next.
+            deferred = previous.mark is not None and self._unread(previous)
+            if not evicted or (key in self._seen and not deferred):
                 self._known[key] = _Decision(self._history[-1])
             self._seen.add(key)
 
@@ -364,7 +366,9 @@ class Cap:
     # -- the allocator's record (NOTE [what the count misses]) -------------------
     def _start_record(self, target: Step | _Repeat) -> None:
         on_stop = functools.partial(self._recorded, target)
-        record = self._reads.start(target, on_stop)
+        # NOTE [partial evictions]: shapes seen and never read are read once.
+        again = isinstance(target, Step) and self._unread(target)
+        record = self._reads.start(target, on_stop, again)
         if record is not None and isinstance(target, Step):
             target.mark = record.mark
 
@@ -449,6 +453,12 @@ class Cap:
             raise
         step.leave(entry, region, out, time.perf_counter() - start)
         return out
+
+    def _unread(self, step: Step) -> bool:
+        """Whether ``step`` runs at shapes seen and never read, where regions may go in
+        part once read (NOTE [partial evictions])."""
+        seen = step.key is not None and step.key in self._seen
+        return seen and self._partial is not None and step.cuda is None and not step.reaches
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
         """What a step's bytes follow from (NOTE [steps of known shapes]); ``None``: no key."""

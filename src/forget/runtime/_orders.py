@@ -76,10 +76,12 @@ summing six matmuls' outputs (each kept, none saved) passed a cap at 85 % by
 56 % the first time it ran under the policy (tests/test_cap.py,
 `test_a_region_that_keeps_too_much_under_the_policy_holds_the_cap`). So the
 first step of a shape evicts whole regions, the next goes in part, and the one
-after repeats that. On CUDA, whose counters miss nothing, the next step of a
-shape goes in part with the forward's reserve and that share. Figures:
-benchmarks/measured.md, "Partial evictions" and "Partial evictions by
-default".
+after repeats that; at a shape whose first step was not read (no larger than
+one read before), the second is read and the third goes in part: one profiled
+step per shape that comes back, none for one that never does. On CUDA, whose
+counters miss nothing, the next step of a shape goes in part with the
+forward's reserve and that share. Figures: benchmarks/measured.md, "Partial
+evictions" and "Partial evictions by default".
 """
 
 from __future__ import annotations

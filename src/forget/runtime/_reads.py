@@ -6,7 +6,9 @@ no tensor, and the count misses it. CUDA's counters are read at every step for
 free; on CPU the allocator's one record is torch's profiler
 (`forget.memory.AllocatorRecord`), which costs time, so only some steps are
 read (``read_allocator``): by default the first capped step, each larger than
-any read before, and the next of a size whose read passed the cap. A read
+any read before, the next of a size whose read passed the cap, and, where
+regions may go in part, the second capped step of shapes none of these read
+(NOTE [partial evictions]: its next step goes in part with what it read). A read
 step's record runs from its forward to the end of its backward, with marks at
 the forward's end, at each region's first backward node and at backward's
 end. Each span's peak, less the model's own figure for it (the forward's
@@ -92,17 +94,19 @@ class Reads:
         self._over: set[int] = set()  # input sizes whose latest read passed its cap
 
     def start(
-        self, target: _Target, on_stop: Callable[[AllocatorReading], None]
+        self, target: _Target, on_stop: Callable[[AllocatorReading], None], again: bool = False
     ) -> AllocatorRecord | None:
         """Open a record for the step ``target`` where it is to be read; the record, or None.
 
-        A step repeating a decision (NOTE [steps of known shapes]) comes here only
-        where every step is read.
+        ``again``: the step's shapes were seen and never read (NOTE [partial
+        evictions]). A step repeating a decision (NOTE [steps of known shapes])
+        comes here only where every step is read.
         """
         elements = target.input_elements
         if target.cuda is not None or self.when == "never" or self.record is not None:
             return None
-        if self.when == "largest" and elements <= self._most and elements not in self._over:
+        larger = elements > self._most or elements in self._over
+        if self.when == "largest" and not larger and not again:
             return None
         # The record and the optimizer's hook reach this object weakly: a record left
         # open by a cap no longer used holds neither it nor its step's graph.
