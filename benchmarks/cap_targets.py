@@ -359,11 +359,6 @@ def run_calls(name: str, candidates: list[str] | None = None) -> None:
     )
 
 
-def _partial(name: str) -> str | None:
-    """``--partial``'s value as `forget.cap` takes it."""
-    return None if name == "none" else name
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,gpt2,bert,resnet")
@@ -377,7 +372,10 @@ def main() -> None:
     parser.add_argument("--calls", action="store_true", help="forward and backward Python calls")
     parser.add_argument("--candidates", default=None, help="regions of --split and --calls")
     parser.add_argument(
-        "--partial", default="selective", help="forget.cap's partial= (selective, or none)"
+        "--partial",
+        default="selective",
+        type=lambda name: None if name == "none" else name,
+        help="forget.cap's partial= (selective, or none)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -392,11 +390,11 @@ def main() -> None:
         if args.evictions:
             run_evictions(name, args.evictions.split(","))
             continue
-        run_peaks(name, args.largest_first, args.passes, _partial(args.partial))
+        run_peaks(name, args.largest_first, args.passes, args.partial)
         if args.floor:
             run_floor(name)
         if args.times:
-            run_times(name, args.rounds, _partial(args.partial))
+            run_times(name, args.rounds, args.partial)
 
 
 if __name__ == "__main__":

@@ -210,11 +210,6 @@ def run(
     )
 
 
-def _partial(name: str) -> str | None:
-    """``--partial``'s value as `forget.cap` takes it."""
-    return None if name == "none" else name
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -228,12 +223,15 @@ def main() -> None:
     )
     parser.add_argument("--passes", type=int, default=1, help="run the batch sizes this many times")
     parser.add_argument(
-        "--partial", default="selective", help="forget.cap's partial= (selective, or none)"
+        "--partial",
+        default="selective",
+        type=lambda name: None if name == "none" else name,
+        help="forget.cap's partial= (selective, or none)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in args.models.split(","):
-        run(name, args.share, args.plan, args.passes, args.read, _partial(args.partial))
+        run(name, args.share, args.plan, args.passes, args.read, args.partial)
 
 
 if __name__ == "__main__":

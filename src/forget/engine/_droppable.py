@@ -120,8 +120,7 @@ class DroppableRegion(Region):
         without it, and only a full `drop` is left to it (NOTE [partial drops])."""
         if self.policy is None or self.dropped:
             return
-        self._kept_ops, self._draw_states = {}, {}
-        self.kept_output_bytes = {}
+        self._let_kept_go()
         self._released = True
 
     def drop(self, *, partial: bool = False) -> None:
@@ -139,8 +138,7 @@ class DroppableRegion(Region):
             return  # emptied already
         if not partial:
             self.dropped, self.partly_dropped = True, False
-            self._kept_ops, self._draw_states = {}, {}
-            self.kept_output_bytes = {}
+            self._let_kept_go()
         else:
             self.partly_dropped = True
         kept = self._kept_indices if partial else ()
@@ -148,6 +146,11 @@ class DroppableRegion(Region):
             slot = ref()
             if isinstance(slot, DroppableSlot) and index not in kept:
                 slot.value = None
+
+    def _let_kept_go(self) -> None:
+        """Forget the policy's kept outputs and draws (NOTE [partial drops])."""
+        self._kept_ops, self._draw_states = {}, {}
+        self.kept_output_bytes = {}
 
 
 def _kept_tensors(kept: dict[int, tuple[str, Any, Any]]) -> list[torch.Tensor]:

@@ -66,7 +66,7 @@ from ..schedules import parse_budget
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
 from ._reads import READ_ALLOCATOR, Reads
-from ._regions import Partial, partial_policy, with_finer
+from ._regions import Partial, leaf_names, partial_policy, with_finer
 from ._report import StepReport
 from ._steps import Step
 
@@ -228,14 +228,9 @@ class Cap:
     ) -> None:
         self.model = model
         self.names = tuple(names)
-        self.partial = partial
         # NOTE [partial evictions]: the regions with no candidate inside run with it.
-        kinds = {
-            name: type(model.get_submodule(name))
-            for name in names
-            if not any(o.startswith(f"{name}.") for o in names)
-        }
-        self._partial = None if partial is None else Partial(partial, kinds)
+        kinds = {name: type(model.get_submodule(name)) for name in leaf_names(names)}
+        self._keeping = None if partial is None else Partial(partial, kinds)
         self.eviction = eviction
         self.repeat_known_shapes = repeat_known_shapes
         self._budget_bytes = budget_bytes
@@ -262,6 +257,11 @@ class Cap:
             for module in wrapped:
                 _unwrap(module)
             raise
+
+    @property
+    def partial(self) -> Policy | None:
+        """What a region evicted in part keeps (NOTE [partial evictions]); None: whole only."""
+        return None if self._keeping is None else self._keeping.policy
 
     @property
     def budget_bytes(self) -> int:
@@ -359,7 +359,7 @@ class Cap:
             self._reads.apply(step)  # NOTE [what the count misses]
         # NOTE [partial evictions]: at shapes seen, and on CPU read, the policy.
         if key is not None and key in self._seen and (step.cuda is not None or step.reaches):
-            step.keeping = self._partial
+            step.keeping = self._keeping
         self._step = step
         return step
 
@@ -458,7 +458,7 @@ class Cap:
         """Whether ``step`` runs at shapes seen and never read, where regions may go in
         part once read (NOTE [partial evictions])."""
         seen = step.key is not None and step.key in self._seen
-        return seen and self._partial is not None and step.cuda is None and not step.reaches
+        return seen and self._keeping is not None and step.cuda is None and not step.reaches
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
         """What a step's bytes follow from (NOTE [steps of known shapes]); ``None``: no key."""

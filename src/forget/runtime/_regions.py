@@ -9,7 +9,7 @@ from ..planning import DEFAULT_OPTIONS
 from ..policies import Action, Policy
 from ._orders import BOUND
 
-__all__ = ["BoundedKeep", "Partial", "partial_policy", "with_finer"]
+__all__ = ["BoundedKeep", "Partial", "leaf_names", "partial_policy", "with_finer"]
 
 
 def partial_policy(partial: str | Policy | None) -> Policy | None:
@@ -58,11 +58,11 @@ def with_finer(model: nn.Module, names: list[str]) -> list[str]:
     and their overhead, by the children per block, and a block evicted after
     its children re-runs twice. Figures: benchmarks/measured.md ("forget.cap").
     """
-    known = set(names)
+    leaves = set(leaf_names(names))
     kinds = [type(model.get_submodule(name)) for name in names]
     out = list(names)
     for name, kind in zip(names, kinds, strict=True):
-        if kinds.count(kind) > 1 or any(other.startswith(f"{name}.") for other in known):
+        if kinds.count(kind) > 1 or name not in leaves:
             continue
         children = [
             f"{name}.{child}"
@@ -73,6 +73,11 @@ def with_finer(model: nn.Module, names: list[str]) -> list[str]:
             out += children
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(out, key=order.__getitem__)
+
+
+def leaf_names(names: list[str]) -> list[str]:
+    """Those of ``names`` (dotted module names) with none of the others inside them."""
+    return [name for name in names if not any(o.startswith(f"{name}.") for o in names)]
 
 
 class Partial:
@@ -99,10 +104,6 @@ class Partial:
         """What region ``name`` (one that `runs`) keeps beyond its slots, per its bytes: the
         most a region of its kind was seen to, or `BOUND`, the most its keep may hold."""
         return self._shares.get(self._kinds[name], BOUND)
-
-    def keep(self, limit: int) -> BoundedKeep:
-        """The policy for one region run, keeping at most ``limit`` bytes."""
-        return BoundedKeep(self.policy, limit)
 
     def learn(self, name: str, share: float, too_much: bool) -> None:
         """A region ran under the policy and kept ``share`` beyond its slots; ``too_much``:

@@ -311,7 +311,7 @@ class Step:
         limit = int(BOUND * self._learned_bytes(name))
         if limit <= 0:
             return None
-        keep = self._keeps[name] = partial.keep(limit)
+        keep = self._keeps[name] = BoundedKeep(partial.policy, limit)
         return keep.policy
 
     def _kept_too_much(self, entry: Entry, region: DroppableRegion, keep: BoundedKeep) -> None:
@@ -460,9 +460,9 @@ class Step:
             now = self.now_bytes
         if not last:
             reach = self.reaches.get(self.boundaries) if self._in_order else None
-            if reach is not None:  # NOTE [forward reaches]
-                return now + self._loose_bytes() + reach + self._kept_reserve()
-            return now + self._loose_bytes() + self._forward_reserve() + self._kept_reserve()
+            if reach is None:  # NOTE [forward reaches]: at shapes read, the allocator's
+                reach = self._forward_reserve()
+            return now + self._loose_bytes() + reach + self._kept_reserve()
         peak, self._peak_at = self._backward(now)
         if peak > self.budget_bytes and self._new_grads:
             # NOTE [gradients as they come]: worth the walk only where it may matter.
@@ -475,9 +475,9 @@ class Step:
         the region whole) did not: the share a region of its kind was seen to keep, or
         the most its bound lets it."""
         done, partial = len(self.entries), self.keeping
-        if partial is None or done >= len(self.order) or not partial.runs(self.order[done]):
+        name = self.order[done] if done < len(self.order) else None
+        if partial is None or name is None or not partial.runs(name):
             return 0
-        name = self.order[done]
         return int(partial.share(name) * self._learned_bytes(name))
 
     def _gradients_by_entry(self) -> tuple[int, list[int]]:
