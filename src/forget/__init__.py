@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from . import schedules as schedules
     from ._apply import apply_forget as apply_forget
     from ._checkpoint import checkpoint as checkpoint
+    from .engine import chunked as chunked
     from .engine import fast_path as fast_path
     from .engine import forget as forget
     from .engine import in_recomputing as in_recomputing
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it, imported on first access (PEP 562).
 _LAZY: dict[str, str] = {
     "forget": ".engine",
+    "chunked": ".engine",
     "fast_path": ".engine",
     "in_recomputing": ".engine",
     "regenerating": ".engine",
@@ -83,6 +85,7 @@ __all__ = [
     "apply_forget",
     "cap",
     "checkpoint",
+    "chunked",
     "fast_path",
     "forget",
     "forget_sequential",

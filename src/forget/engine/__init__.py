@@ -1,7 +1,8 @@
 """The engine: forgotten regions and what makes their re-run exact.
 
 - `_region`: a region's slots, pack/unpack, re-run, early stop and nesting.
-- `_forget`: the entry points `forget`, `run_region`, `compiled_region`.
+- `_forget`: the entry points `forget`, `run_region`, `compiled_region`;
+  `_chunked`: `chunked`, a function on slices, each a region (NOTE [chunked regions]).
 - `_replay`: the `in_recomputing` flag, RNG and autocast state replayed.
 - `_state`: outside state a region writes (NOTE [state tracking]), through a
   dispatch mode that runs only where a region needs it; `_ops`: what it asks
@@ -21,6 +22,7 @@
 Other packages import the names below, never the underscore modules.
 """
 
+from ._chunked import chunked as chunked
 from ._droppable import DroppableRegion as DroppableRegion
 from ._forget import compiled_region as compiled_region
 from ._forget import forget as forget
@@ -44,6 +46,7 @@ __all__ = [
     "ModuleWalks",
     "Region",
     "StorageKey",
+    "chunked",
     "compiled_region",
     "fast_path",
     "forget",

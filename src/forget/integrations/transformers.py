@@ -89,14 +89,20 @@ from typing import TYPE_CHECKING, Any
 from .. import checkpoint
 from ..policies import Policy, as_policy
 from ._transformers_cap import cleared, enable_cap
+from ._transformers_head import ChunkedLoss as ChunkedLoss
+from ._transformers_head import chunk_loss as chunk_loss
+from ._transformers_head import chunked_loss_of as chunked_loss_of
 
 if TYPE_CHECKING:
     from ..planning import TreePlan
 
 __all__ = [
+    "ChunkedLoss",
     "cap_of",
     "checkpoint_function",
     "checkpointed_layers",
+    "chunk_loss",
+    "chunked_loss_of",
     "disable",
     "enable",
     "is_enabled",

@@ -1,0 +1,370 @@
+"""`chunk_loss`: a causal language model's loss from its last hidden states, chunk by chunk.
+
+NOTE [the head in chunks]: under checkpointing the largest tensors of a
+language model's step are its logits, tokens x vocabulary upcast to float for
+the loss, and their gradient: every layer forgotten, they are the step's floor.
+`chunk_loss` computes the loss as transformers' ``ForCausalLMLoss`` does (the
+shift, ``ignore_index``, ``num_items_in_batch``, the upcast) through
+`forget.chunked` over the tokens, so the logits never exist whole, in forward or
+in backward. It hooks the model rather than replacing its forward: a call with
+``labels`` runs the model with ``labels=None`` and ``logits_to_keep=1`` (one
+position's logits, which every causal LM of transformers 5 takes), catches the
+base model's last hidden states, and puts the chunked loss in the output with
+``logits=None``. What the model does between the base model and its loss is
+its own code, so the first call checks it: the model's logits of the kept
+position must be the chunked head's of the same hidden state (the head, tied or
+not, and Gemma's soft-capping, which the config names), or the call raises
+rather than compute a different loss. A custom ``loss_function`` is refused at
+once: only transformers' own causal loss is known.
+
+NOTE [default chunks]: a slice's float logits are bounded by the hidden states'
+bytes, so that the head's re-run in backward weighs about as much as one more
+layer's kept input, and a slice keeps at least `MIN_ROWS` tokens, below which
+the head's matmul stops paying for its calls (benchmarks/measured.md, "The
+head in chunks").
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine import chunked
+
+__all__ = ["ChunkedLoss", "chunk_loss", "chunked_loss_of", "default_chunks"]
+
+# Tokens a slice keeps at least (NOTE [default chunks]).
+MIN_ROWS = 256
+_ATTR = "_forget_chunked_loss"
+# Keyword arguments of transformers' ForCausalLMLoss this head honours.
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+def chunk_loss(model: Any, chunks: int | None = None) -> ChunkedLoss:
+    """Compute a causal LM's loss chunk by chunk, so its logits never exist whole.
+
+    With ``labels``, ``model(...)`` computes its loss from the last hidden states
+    through `forget.chunked` over the tokens, with transformers' semantics (the
+    shift, ``ignore_index=-100``, ``num_items_in_batch``, the upcast to float),
+    and returns ``logits=None``: the memory of the logits and their gradient
+    falls to one chunk's, for one more forward of the head. Without ``labels``
+    the model runs as before, logits included. ``state_dict`` keys do not change.
+
+    Args:
+        model: a transformers causal LM (a ``PreTrainedModel`` with an
+            ``lm_head`` and transformers' own causal ``loss_function``), or a
+            PEFT model wrapping one.
+        chunks: how many slices the tokens are cut into; ``None`` chooses from
+            the sizes at each call (`default_chunks`). Calling `chunk_loss` again
+            on the same model sets a new count on the same handle.
+
+    Returns:
+        The `ChunkedLoss` handle; ``handle.remove()`` restores the model.
+
+    Raises:
+        ImportError: transformers is not installed.
+        TypeError: ``model`` is no ``PreTrainedModel``, has no linear
+            ``lm_head``, no base model, takes no ``logits_to_keep``, or computes
+            its loss with a ``loss_function`` other than transformers' causal one.
+        ValueError: ``chunks`` is not ``None`` nor a whole number of at least 1.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from forget.integrations import transformers as forget_hf
+        >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...                      num_attention_heads=4, num_key_value_heads=4, vocab_size=1000)
+        >>> model = LlamaForCausalLM(config).train()
+        >>> handle = forget_hf.chunk_loss(model, chunks=4)
+        >>> ids = torch.randint(0, 1000, (2, 16))
+        >>> out = model(input_ids=ids, labels=ids)
+        >>> out.logits is None
+        True
+        >>> out.loss.backward()
+        >>> handle.remove()
+        >>> model(input_ids=ids).logits.shape
+        torch.Size([2, 16, 1000])
+    """
+    _check_chunks(chunks)
+    base = _causal_lm(model)
+    handle: ChunkedLoss | None = base.__dict__.get(_ATTR)
+    if handle is not None:
+        handle.chunks = chunks
+        return handle
+    return ChunkedLoss(base, chunks)
+
+
+def chunked_loss_of(model: Any) -> ChunkedLoss | None:
+    """The `ChunkedLoss` that `chunk_loss` put on ``model`` (or its PEFT base), or ``None``."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    return getattr(base, "__dict__", {}).get(_ATTR)
+
+
+def default_chunks(tokens: int, hidden_size: int, vocab_size: int, hidden_itemsize: int) -> int:
+    """The chunk count `chunk_loss` takes by default (NOTE [default chunks]).
+
+    The least count whose slice of float logits is no larger than the hidden
+    states (``tokens x hidden_size`` of ``hidden_itemsize`` bytes), but never so
+    many that a slice holds fewer than `MIN_ROWS` tokens.
+    """
+    by_bytes = math.ceil(vocab_size * 4 / (hidden_size * hidden_itemsize))
+    by_rows = max(1, tokens // MIN_ROWS)
+    return max(1, min(by_bytes, by_rows))
+
+
+class ChunkedLoss:
+    """A causal LM's loss run chunk by chunk (`chunk_loss`); ``remove()`` undoes it.
+
+    Attributes:
+        model: the ``PreTrainedModel`` it hooks.
+        chunks: the chunk count, or ``None`` for `default_chunks` at each call.
+        last_chunks: the count the latest call used (``None`` before any).
+    """
+
+    def __init__(self, model: nn.Module, chunks: int | None) -> None:
+        self.model = model
+        self.chunks = chunks
+        self.last_chunks: int | None = None
+        self._checked = False
+        self._calls: list[dict[str, Any]] = []
+        self._signature = inspect.signature(type(model).forward)
+        base = getattr(model, model.base_model_prefix)
+        self._hooks = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True),
+            base.register_forward_hook(self._caught),
+        ]
+        model.__dict__[_ATTR] = self
+
+    def remove(self) -> None:
+        """Put the model back as it was: its loss and logits computed whole again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.model.__dict__.get(_ATTR) is self:
+            del self.model.__dict__[_ATTR]
+
+    def __repr__(self) -> str:
+        chunks = "by the sizes" if self.chunks is None else self.chunks
+        return f"ChunkedLoss({type(self.model).__name__}, chunks={chunks})"
+
+    # The hooks, in the order a call meets them.
+
+    def _before(
+        self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        bound = self._signature.bind_partial(model, *args, **kwargs)
+        given = bound.arguments
+        extra = given.get(_var_keyword(self._signature), {})
+        labels = given.get("labels")
+        if labels is None:
+            self._calls.append({})
+            return None
+        if given.get("return_dict") is False:
+            raise ValueError(
+                "forget: chunk_loss returns logits=None, which a tuple output "
+                "(return_dict=False) cannot say without shifting its positions; call the "
+                "model with return_dict=True (the default) while chunk_loss is on."
+            )
+        keep = given.get("logits_to_keep", 0)
+        if not (isinstance(keep, int) and keep == 0):
+            raise ValueError(
+                f"forget: chunk_loss computes the loss over every position, and the call "
+                f"asks for logits_to_keep={keep!r}; leave it out when passing labels."
+            )
+        loss_kwargs = {k: extra.pop(k) for k in _LOSS_KWARGS if k in extra}
+        self._calls.append({"labels": labels, "loss_kwargs": loss_kwargs, "hidden": None})
+        given["labels"] = None
+        given["logits_to_keep"] = 1
+        return bound.args[1:], bound.kwargs
+
+    def _caught(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._calls and "hidden" in self._calls[-1] and self._calls[-1]["hidden"] is None:
+            hidden = getattr(output, "last_hidden_state", None)
+            if hidden is None and isinstance(output, tuple):
+                hidden = output[0]
+            self._calls[-1]["hidden"] = hidden
+
+    def _after(
+        self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        call = self._calls.pop()
+        if not call:
+            return None
+        hidden = call["hidden"]
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(
+                f"forget: chunk_loss needs the last hidden states of "
+                f"{type(model).__name__}'s base model ({model.base_model_prefix}), and its "
+                "output carried none (no last_hidden_state); call chunk_loss.remove()."
+            )
+        head = self._head()
+        if not self._checked and not _is_fake(hidden):
+            self._check(head, hidden, output.logits)
+        loss = self._loss(head, hidden, call["labels"], call["loss_kwargs"])
+        fields = {k: v for k, v in output.items() if k not in ("loss", "logits")}
+        return type(output)(loss=loss, logits=None, **fields)
+
+    # The loss.
+
+    def _head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        lm_head = self.model.get_output_embeddings()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        return functools.partial(_logits, lm_head.weight, lm_head.bias, softcap)
+
+    def _loss(
+        self,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        loss_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        ignore_index = loss_kwargs.get("ignore_index", -100)
+        shift = loss_kwargs.get("shift_labels")
+        if shift is None:
+            shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = shift.reshape(-1).to(hidden.device)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if flat.shape[0] != targets.shape[0]:
+            raise ValueError(
+                f"forget: chunk_loss has {flat.shape[0]} positions of hidden states and "
+                f"{targets.shape[0]} labels after the shift; labels must be (batch, tokens) "
+                "as the input ids are."
+            )
+        chunks = self.chunks
+        if chunks is None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            chunks = default_chunks(flat.shape[0], flat.shape[1], vocab, flat.element_size())
+        self.last_chunks = chunks
+        summed = chunked(
+            functools.partial(_summed_loss, head, ignore_index), flat, targets, chunks=chunks
+        )
+        count = loss_kwargs.get("num_items_in_batch")
+        if count is None:
+            count = (targets != ignore_index).sum()
+        elif isinstance(count, torch.Tensor):
+            count = count.to(summed.device)
+        return summed / count
+
+    def _check(
+        self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, logits: Any
+    ) -> None:
+        """The model's logits of its last position are the chunked head's (NOTE [the head in chunks])."""
+        with torch.no_grad():
+            ours = head(hidden[:, -1:, :])
+        if not (
+            isinstance(logits, torch.Tensor)
+            and logits.shape == ours.shape
+            and torch.allclose(logits.float(), ours.float(), rtol=1e-4, atol=1e-5)
+        ):
+            raise TypeError(
+                f"forget: chunk_loss computes the logits as the output embeddings "
+                f"({type(self.model.get_output_embeddings()).__name__}) of the last hidden "
+                "states (with the config's final_logit_softcapping), and "
+                f"{type(self.model).__name__}'s own logits differ from that: its forward "
+                "does more between its base model and its loss, which chunk_loss cannot "
+                "honour. Call handle.remove() and compute the loss with forget.chunked "
+                "yourself (docs/head.md)."
+            )
+        self._checked = True
+
+
+def _logits(
+    weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None, h: torch.Tensor
+) -> torch.Tensor:
+    logits = F.linear(h, weight, bias)
+    if softcap is not None:  # Gemma's, as its forward does it
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _summed_loss(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    ignore_index: int,
+    h: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """One slice's summed cross-entropy, on logits upcast to float as transformers does."""
+    logits = head(h).float()
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+
+def _check_chunks(chunks: Any) -> None:
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(
+            f"forget: chunks must be None (chosen from the sizes) or a whole number of at "
+            f"least 1, got {chunks!r}."
+        )
+
+
+def _causal_lm(model: Any) -> nn.Module:
+    """``model`` (or its PEFT base) as a causal LM chunk_loss can serve; TypeError where not."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError as exc:  # pragma: no cover - transformers is a test dependency
+        raise ImportError(
+            'forget: chunk_loss needs transformers: pip install "transformers>=5"'
+        ) from exc
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    name = type(base).__name__
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(
+            f"forget: chunk_loss takes a transformers causal LM (a PreTrainedModel), got "
+            f"{name}; for your own model, run its head and loss through forget.chunked "
+            "(docs/head.md)."
+        )
+    head = base.get_output_embeddings()
+    if not isinstance(getattr(base, "lm_head", None), nn.Linear) or head is not base.lm_head:
+        raise TypeError(
+            f"forget: chunk_loss needs a causal LM whose output embeddings are a linear "
+            f"lm_head, and {name} has {type(getattr(base, 'lm_head', None)).__name__} there."
+        )
+    if head.out_features != getattr(base.config, "vocab_size", head.out_features):
+        raise TypeError(
+            f"forget: {name}'s lm_head has {head.out_features} outputs and its config a "
+            f"vocabulary of {base.config.vocab_size}; transformers' loss views the logits by "
+            "the config's, which chunk_loss does not reproduce."
+        )
+    if not isinstance(getattr(base, base.base_model_prefix, None), nn.Module):
+        raise TypeError(f"forget: chunk_loss finds no base model in {name}.")
+    params = inspect.signature(type(base).forward).parameters
+    if "labels" not in params or "logits_to_keep" not in params:
+        raise TypeError(
+            f"forget: chunk_loss needs a forward that takes labels and logits_to_keep "
+            f"(transformers' causal LMs do), and {name}.forward takes "
+            f"{', '.join(params) or 'neither'}."
+        )
+    if base.loss_function is not ForCausalLMLoss:
+        raise TypeError(
+            f"forget: {name} computes its loss with {base.loss_function!r}, not "
+            "transformers' ForCausalLMLoss, and chunk_loss honours only that one (the "
+            "shift, ignore_index, num_items_in_batch); run your loss through forget.chunked "
+            "instead (docs/head.md)."
+        )
+    return base
+
+
+def _var_keyword(signature: inspect.Signature) -> str:
+    for p in signature.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            return p.name
+    return "\0"
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no data behind it (a fake or meta tensor: the planner's counting run)."""
+    if t.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(t))
