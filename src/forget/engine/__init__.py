@@ -26,6 +26,7 @@ from ._chunked import chunked as chunked
 from ._droppable import DroppableRegion as DroppableRegion
 from ._forget import compiled_region as compiled_region
 from ._forget import forget as forget
+from ._forget import forgotten_regions as forgotten_regions
 from ._forget import run_region as run_region
 from ._in_turn import InTurn as InTurn
 from ._regenerate import regenerating as regenerating
@@ -50,6 +51,7 @@ __all__ = [
     "compiled_region",
     "fast_path",
     "forget",
+    "forgotten_regions",
     "in_recomputing",
     "ordinal",
     "regenerating",

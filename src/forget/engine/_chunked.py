@@ -149,8 +149,7 @@ def _joined(outs: list[Any], dim: int) -> Any:
             "for another; every slice must return the same structure."
         )
     return tuple(
-        _joined_tensors([o[e] for o in outs], dim, f"{ordinal(e + 1)} output")
-        for e in range(width)
+        _joined_tensors([o[e] for o in outs], dim, f"{ordinal(e + 1)} output") for e in range(width)
     )
 
 

@@ -1,14 +1,17 @@
-"""The entry points: `forget` (the seed's primitive), `run_region`, `compiled_region`."""
+"""The entry points: `forget` (the seed's primitive), `run_region`, `compiled_region`;
+`forgotten_regions`, which tells a runtime of the regions run (NOTE [regions heard])."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..policies import Policy
+from ._local import _watchers
 from ._region import Region
 from ._slots import ordinal
 
@@ -51,7 +54,28 @@ def run_region(
         early_stop=early_stop,
         debug=debug,
     )
-    return region.run_forward()
+    out = region.run_forward()
+    for call in _watchers.calls:  # NOTE [regions heard]
+        call(region)
+    return out
+
+
+@contextlib.contextmanager
+def forgotten_regions(call: Callable[[Region], None]) -> Iterator[None]:
+    """Call ``call(region)`` after each forgotten region's forward in this thread, in the block.
+
+    NOTE [regions heard]: a runtime that counts a step's memory (`forget.cap`)
+    sees the regions it runs itself, but not those the model runs on its own (a
+    chunked head, `forget.chunked`; a user's `forget.forget`): each holds nothing
+    after its forward, and rebuilds its saved tensors when backward meets it
+    (`Region.rebuilt_bytes`). Hearing of them, the runtime reserves that re-run.
+    Outside such a block the engine pays one check of an empty list per region.
+    """
+    _watchers.calls.append(call)
+    try:
+        yield
+    finally:
+        _watchers.calls.remove(call)
 
 
 def compiled_region(

@@ -56,3 +56,12 @@ class _Packers(threading.local):
 # (NOTE [nesting]). And their trackers, which know what memory the regions made;
 # and which of the packs are re-runs that keep their graph (NOTE [nested grad]).
 _packers = _Packers()
+
+
+class _Watchers(threading.local):
+    def __init__(self) -> None:
+        self.calls: list[Callable[[Any], None]] = []
+
+
+# Who hears of each forgotten region run in this thread (`forgotten_regions`).
+_watchers = _Watchers()

@@ -70,6 +70,7 @@ state to put back) is not yet known to it.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -113,7 +114,7 @@ from ._state import (
     restore,
     stop_position,
 )
-from ._storage import PLAIN_TYPES, StorageKey, storage_key
+from ._storage import PLAIN_TYPES, StorageKey, storage_key, storage_of
 from ._written import WrittenArgument, cut_written, held_tensors
 
 __all__ = ["Region"]
@@ -586,6 +587,29 @@ class Region:
                 self._trace.explain(mismatch)
             raise mismatch
         self._versions = [flat[i]._version for i in self._tensor_pos]
+
+    def rebuilt_bytes(self) -> tuple[int, int, int]:
+        """What its backward holds beyond what is alive anyway (NOTE [regions heard]).
+
+        The bytes of the forward's saved tensors it keeps not, which its re-run
+        rebuilds (a view counted as a tensor of its own), the largest of them, and
+        the bytes of the kept tensors that require grad (each storage once):
+        parameters and inputs, which get a gradient as its backward runs.
+        """
+        total = largest = 0
+        grads: dict[Any, int] = {}
+        for index, ref in self._live.items():
+            slot = ref()
+            if type(slot) is Slot:
+                shape, dtype, _ = self._meta[index]
+                nbytes = math.prod(shape) * dtype.itemsize
+                total += nbytes
+                largest = max(largest, nbytes)
+            elif isinstance(slot, KeptSlot) and isinstance(slot.value, torch.Tensor):
+                value = slot.value
+                if value.requires_grad and (storage := storage_of(value)) is not None:
+                    grads[storage_key(value)] = storage.nbytes()
+        return total, largest, sum(grads.values())
 
     def kept_arguments(self) -> list[torch.Tensor]:
         """The argument tensors held for the re-run (an enclosing region's slots are not)."""

@@ -6,11 +6,12 @@ the loss, and their gradient: every layer forgotten, they are the step's floor.
 `chunk_loss` computes the loss as transformers' ``ForCausalLMLoss`` does (the
 shift, ``ignore_index``, ``num_items_in_batch``, the upcast) through
 `forget.chunked` over the tokens, so the logits never exist whole, in forward or
-in backward. It hooks the model rather than replacing its forward: a call with
+in backward. It wraps the model's forward on the instance (so that a plan or a cap put on
+the model later sees the chunked head inside the step): a call with
 ``labels`` runs the model with ``labels=None`` and ``logits_to_keep=1`` (one
 position's logits, which every causal LM of transformers 5 takes), catches the
-base model's last hidden states, and puts the chunked loss in the output with
-``logits=None``. What the model does between the base model and its loss is
+base model's last hidden states with a forward hook, and puts the chunked loss
+in the output with ``logits=None``. What the model does between the base model and its loss is
 its own code, so the first call checks it: the model's logits of the kept
 position must be the chunked head's of the same hidden state (the head, tied or
 not, and Gemma's soft-capping, which the config names), or the call raises
@@ -130,44 +131,60 @@ class ChunkedLoss:
     """
 
     def __init__(self, model: nn.Module, chunks: int | None) -> None:
+        if "forward" in model.__dict__ and not isinstance(model.__dict__["forward"], _HeadForward):
+            raise ValueError(
+                f"forget: {type(model).__name__}'s forward is wrapped already (by a forget "
+                "plan or cap, or your own instance forward); a plan or cap must see the "
+                "chunked head inside the step, so call chunk_loss first: remove the plan "
+                "or cap, call chunk_loss(model), then plan or cap again."
+            )
         self.model = model
         self.chunks = chunks
         self.last_chunks: int | None = None
         self._checked = False
-        self._calls: list[dict[str, Any]] = []
+        self._hidden: list[torch.Tensor | None] = []
         self._signature = inspect.signature(type(model).forward)
         base = getattr(model, model.base_model_prefix)
-        self._hooks = [
-            model.register_forward_pre_hook(self._before, with_kwargs=True),
-            model.register_forward_hook(self._after, with_kwargs=True),
-            base.register_forward_hook(self._caught),
-        ]
+        self._hook = base.register_forward_hook(self._caught)
+        model.__dict__["forward"] = _HeadForward(model, self)
         model.__dict__[_ATTR] = self
 
     def remove(self) -> None:
-        """Put the model back as it was: its loss and logits computed whole again."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        if self.model.__dict__.get(_ATTR) is self:
-            del self.model.__dict__[_ATTR]
+        """Put the model back as it was: its loss and logits computed whole again.
+
+        Raises:
+            ValueError: a plan or cap wrapped the model's forward after `chunk_loss`;
+                remove it first.
+        """
+        wrapper = self.model.__dict__.get("forward")
+        if not isinstance(wrapper, _HeadForward) or wrapper.handle is not self:
+            if self.model.__dict__.get(_ATTR) is not self:
+                return  # removed already
+            raise ValueError(
+                f"forget: {type(self.model).__name__}'s forward was wrapped after "
+                "chunk_loss (by a plan or cap); remove that first, then the chunked loss."
+            )
+        if wrapper.own is None:
+            del self.model.__dict__["forward"]
+        else:
+            self.model.__dict__["forward"] = wrapper.own
+        self._hook.remove()
+        del self.model.__dict__[_ATTR]
 
     def __repr__(self) -> str:
         chunks = "by the sizes" if self.chunks is None else self.chunks
         return f"ChunkedLoss({type(self.model).__name__}, chunks={chunks})"
 
-    # The hooks, in the order a call meets them.
+    # A call, in the order it runs.
 
-    def _before(
-        self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        bound = self._signature.bind_partial(model, *args, **kwargs)
+    def _forward(
+        self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        bound = self._signature.bind_partial(self.model, *args, **kwargs)
         given = bound.arguments
-        extra = given.get(_var_keyword(self._signature), {})
         labels = given.get("labels")
         if labels is None:
-            self._calls.append({})
-            return None
+            return forward(*args, **kwargs)
         if given.get("return_dict") is False:
             raise ValueError(
                 "forget: chunk_loss returns logits=None, which a tuple output "
@@ -180,49 +197,46 @@ class ChunkedLoss:
                 f"forget: chunk_loss computes the loss over every position, and the call "
                 f"asks for logits_to_keep={keep!r}; leave it out when passing labels."
             )
+        extra = given.get(_var_keyword(self._signature), {})
         loss_kwargs = {k: extra.pop(k) for k in _LOSS_KWARGS if k in extra}
-        self._calls.append({"labels": labels, "loss_kwargs": loss_kwargs, "hidden": None})
         given["labels"] = None
         given["logits_to_keep"] = 1
-        return bound.args[1:], bound.kwargs
-
-    def _caught(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._calls and "hidden" in self._calls[-1] and self._calls[-1]["hidden"] is None:
-            hidden = getattr(output, "last_hidden_state", None)
-            if hidden is None and isinstance(output, tuple):
-                hidden = output[0]
-            self._calls[-1]["hidden"] = hidden
-
-    def _after(
-        self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> Any:
-        call = self._calls.pop()
-        if not call:
-            return None
-        hidden = call["hidden"]
+        self._hidden.append(None)
+        try:
+            output = forward(*bound.args[1:], **bound.kwargs)
+        finally:
+            hidden = self._hidden.pop()
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(
                 f"forget: chunk_loss needs the last hidden states of "
-                f"{type(model).__name__}'s base model ({model.base_model_prefix}), and its "
-                "output carried none (no last_hidden_state); call chunk_loss.remove()."
+                f"{type(self.model).__name__}'s base model ({self.model.base_model_prefix}), "
+                "and its output carried none (no last_hidden_state); call handle.remove()."
             )
         head = self._head()
         if not self._checked and not _is_fake(hidden):
             self._check(head, hidden, output.logits)
-        loss = self._loss(head, hidden, call["labels"], call["loss_kwargs"])
+        loss = self._loss(head, hidden, labels, loss_kwargs)
         fields = {k: v for k, v in output.items() if k not in ("loss", "logits")}
         return type(output)(loss=loss, logits=None, **fields)
 
+    def _caught(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._hidden and self._hidden[-1] is None:
+            hidden = getattr(output, "last_hidden_state", None)
+            if hidden is None and isinstance(output, tuple):
+                hidden = output[0]
+            self._hidden[-1] = hidden
+
     # The loss.
 
-    def _head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _head(self) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+        """The head's weight, bias and Gemma's soft-cap (the config's), as `_logits` takes them."""
         lm_head = self.model.get_output_embeddings()
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        return functools.partial(_logits, lm_head.weight, lm_head.bias, softcap)
+        return lm_head.weight, lm_head.bias, softcap
 
     def _loss(
         self,
-        head: Callable[[torch.Tensor], torch.Tensor],
+        head: tuple[torch.Tensor, torch.Tensor | None, float | None],
         hidden: torch.Tensor,
         labels: torch.Tensor,
         loss_kwargs: dict[str, Any],
@@ -244,9 +258,10 @@ class ChunkedLoss:
             vocab = self.model.get_output_embeddings().weight.shape[0]
             chunks = default_chunks(flat.shape[0], flat.shape[1], vocab, flat.element_size())
         self.last_chunks = chunks
-        summed = chunked(
-            functools.partial(_summed_loss, head, ignore_index), flat, targets, chunks=chunks
-        )
+        # The weight at the partial's top level: the engine's fast path finds a region's
+        # parameters among a partial's arguments (NOTE [fast path]), not deeper.
+        loss_of = functools.partial(_summed_loss, *head, ignore_index)
+        summed = chunked(loss_of, flat, targets, chunks=chunks)
         count = loss_kwargs.get("num_items_in_batch")
         if count is None:
             count = (targets != ignore_index).sum()
@@ -255,11 +270,14 @@ class ChunkedLoss:
         return summed / count
 
     def _check(
-        self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, logits: Any
+        self,
+        head: tuple[torch.Tensor, torch.Tensor | None, float | None],
+        hidden: torch.Tensor,
+        logits: Any,
     ) -> None:
         """The model's logits of its last position are the chunked head's (NOTE [the head in chunks])."""
         with torch.no_grad():
-            ours = head(hidden[:, -1:, :])
+            ours = _logits(*head, hidden[:, -1:, :])
         if not (
             isinstance(logits, torch.Tensor)
             and logits.shape == ours.shape
@@ -277,6 +295,25 @@ class ChunkedLoss:
         self._checked = True
 
 
+class _HeadForward:
+    """The model's forward with the loss chunked (`ChunkedLoss`), set on the instance.
+
+    As a plan's regions, it changes no class: it holds the forward found on the
+    instance before (``own``, ``None`` for the class's) and ``__wrapped__`` keeps
+    ``inspect.signature`` of the forward what it was (Trainer reads it).
+    """
+
+    def __init__(self, model: nn.Module, handle: ChunkedLoss) -> None:
+        original = model.forward
+        functools.update_wrapper(self, original)
+        self.original = original
+        self.own = model.__dict__.get("forward")
+        self.handle = handle
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.handle._forward(self.original, args, kwargs)
+
+
 def _logits(
     weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None, h: torch.Tensor
 ) -> torch.Tensor:
@@ -287,18 +324,22 @@ def _logits(
 
 
 def _summed_loss(
-    head: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
     ignore_index: int,
     h: torch.Tensor,
     targets: torch.Tensor,
 ) -> torch.Tensor:
     """One slice's summed cross-entropy, on logits upcast to float as transformers does."""
-    logits = head(h).float()
+    logits = _logits(weight, bias, softcap, h).float()
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
 
 def _check_chunks(chunks: Any) -> None:
-    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+    if chunks is not None and (
+        isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
+    ):
         raise ValueError(
             f"forget: chunks must be None (chosen from the sizes) or a whole number of at "
             f"least 1, got {chunks!r}."

@@ -57,7 +57,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
+from ..engine import (
+    DroppableRegion,
+    ModuleWalks,
+    forgotten_regions,
+    in_recomputing,
+    run_region,
+)
 from ..errors import ForgetError
 from ..memory import AllocatorReading
 from ..planning import find_candidates, is_wrapped
@@ -409,7 +415,10 @@ class Cap:
             return t.detach()
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _identity):
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, _identity),
+                forgotten_regions(step.forgotten_ran),
+            ):
                 out = original(*args, **kwargs)
             step.model_returned(out)
             step.finished = True

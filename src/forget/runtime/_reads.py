@@ -161,7 +161,7 @@ class Reads:
         head = step.terms.get(int(starts[0][1]), 0) if starts else step.outside_term
         flat = max(
             reading.peak(until=forward) - step.forward_term,
-            reading.peak(forward, first) - max(head, step.outside_term),
+            reading.peak(forward, first) - max(head, step.outside_term, step.before_term),
             0,
         )
         self._flat[elements] = max(self._flat.get(elements, 0), flat)

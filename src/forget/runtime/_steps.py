@@ -159,6 +159,10 @@ class Step:
         # The regions' outputs: alive until used, held by no region before that.
         self._outputs: list[weakref.ref[torch.Tensor]] = []
         self.model_output_bytes = 0
+        # NOTE [regions heard]: the largest backward of a forgotten region the model ran
+        # itself (a chunked head's slice).
+        self.forgotten_bytes = 0
+        self.before_term = 0  # its term, where there is one (NOTE [what the count misses])
         self.largest_bytes = 0
         self.largest_out = 0  # the largest output of a region so far
         self._peak_at = -1
@@ -230,6 +234,14 @@ class Step:
             del self._live[key]
             self._holders.pop(key, None)
             self.now_bytes -= record[0]
+
+    def forgotten_ran(self, region: Any) -> None:
+        """Hear of a forgotten region the model ran outside the cap's (NOTE [regions heard])."""
+        total, largest, grads = region.rebuilt_bytes()
+        # Its rebuilt tensors, two gradients of the largest, and for what it reads that
+        # requires grad, the gradient it makes beside the sum of those before it (a
+        # weight every slice reads has its gradients summed as they arrive).
+        self.forgotten_bytes = max(self.forgotten_bytes, total + 2 * largest + 2 * grads)
 
     def saved_outside(self, t: torch.Tensor) -> None:
         """Count a tensor autograd saves in the model's forward outside every region."""
@@ -404,6 +416,16 @@ class Step:
         else:
             always, later = self.gradient_bytes, [0] * len(entries)
         fixed = outside + always
+        if self.forgotten_bytes:
+            # NOTE [regions heard]: a forgotten region the model ran itself re-runs as
+            # backward meets it; the one after every candidate (a head) meets it first,
+            # where all they hold is held. Evicting any of them lowers that term.
+            # The gradients made by the last region's backward are there by then (the
+            # head's weight, used by its slices: NOTE [gradients as they come]).
+            term = fixed + (later[-1] if later else 0) + sum(owned) + self.forgotten_bytes
+            self.before_term = term - self._extra()  # NOTE [what the count misses]
+            if term > peak:
+                peak, where = term, len(entries)
         running = 0
         for i, entry in enumerate(entries):
             running += owned[i]
