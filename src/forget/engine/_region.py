@@ -208,6 +208,7 @@ class Region:
         self._default_device = default_device()
         self._meta: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
         self._live: dict[int, weakref.ref[Slot]] = {}
+        self._made_keys: dict[int, StorageKey] = {}
         self._rebuilt: dict[int, torch.Tensor] = {}
         self._pre_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._write_only: list[torch.Tensor] = []
@@ -280,6 +281,7 @@ class Region:
     ) -> Slot:
         """The slot of a saved tensor the region made and keeps not: its re-run rebuilds it
         (``key`` and ``storage`` as `_external_slot` has them)."""
+        self._made_keys[index] = key  # `rebuilt_bytes` counts a storage once
         return Slot(self, index)
 
     def prefetch_offloaded(self) -> None:
@@ -592,24 +594,23 @@ class Region:
         """What its backward holds beyond what is alive anyway (NOTE [regions heard]).
 
         The bytes of the forward's saved tensors it keeps not, which its re-run
-        rebuilds (a view counted as a tensor of its own), the largest of them, and
-        the bytes of the kept tensors that require grad (each storage once):
-        parameters and inputs, which get a gradient as its backward runs.
+        rebuilds (each storage once, at its largest saved view), the largest of
+        them, and the bytes of the kept tensors that require grad (each storage
+        once): parameters and inputs, which get a gradient as its backward runs.
         """
-        total = largest = 0
+        made: dict[Any, int] = {}
         grads: dict[Any, int] = {}
         for index, ref in self._live.items():
             slot = ref()
             if type(slot) is Slot:
                 shape, dtype, _ = self._meta[index]
-                nbytes = math.prod(shape) * dtype.itemsize
-                total += nbytes
-                largest = max(largest, nbytes)
+                key = self._made_keys.get(index, index)
+                made[key] = max(made.get(key, 0), math.prod(shape) * dtype.itemsize)
             elif isinstance(slot, KeptSlot) and isinstance(slot.value, torch.Tensor):
                 value = slot.value
                 if value.requires_grad and (storage := storage_of(value)) is not None:
                     grads[storage_key(value)] = storage.nbytes()
-        return total, largest, sum(grads.values())
+        return sum(made.values()), max(made.values(), default=0), sum(grads.values())
 
     def kept_arguments(self) -> list[torch.Tensor]:
         """The argument tensors held for the re-run (an enclosing region's slots are not)."""
