@@ -11,12 +11,12 @@ regions]), those the regions keep, and those autograd saves outside the regions
 in the model's forward; never parameters, buffers or the step's inputs. The
 estimate adds what the next region may add (the latest region's held bytes,
 learned per candidate, or at shapes a record read what the forward reached
-there: NOTE [forward reaches]), the largest storage once more and the largest
-region output alive that no region holds yet; at the forward's end it is
-backward's modelled peak (NOTE [backward in the cap]). While the estimate passes
-the cap, regions are evicted (NOTE [eviction order], in `._orders`); with none
-left, the step stops with a `ForgetError` naming the estimate, the model's
-buffers put back.
+there: NOTE [forward reaches]), the largest storage once more, the largest
+region output, and on CPU the outputs alive that no region holds yet; at the
+forward's end it is backward's modelled peak (NOTE [backward in the cap]). While
+the estimate passes the cap, regions are evicted (NOTE [eviction order], in
+`._orders`); with none left, the step stops with a `ForgetError` naming the
+estimate, the model's buffers put back.
 
 NOTE [backward in the cap]: backward is modelled region by region in its order:
 at a region with none inside it holds what the regions up to it hold and keep
