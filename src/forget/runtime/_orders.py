@@ -33,10 +33,11 @@ evictions" and "Partial evictions by default".
 NOTE [partial at shapes seen]: a region under the policy holds, until it
 returns, outputs plain autograd lets go at once, which a first step's reserve
 does not foresee, and finer evictions land closer to the estimate, leaving less
-room for what the count misses (tests/test_cap.py passes a cap on a first step
-otherwise). So the first step of a shape evicts whole regions, the next (read by
-a record on CPU: NOTE [forward reaches]) goes in part, and later ones repeat it:
-one profiled step per shape that comes back. At shapes read, the reserve past a
+room for what the count misses (benchmarks/measured.md, "Partial evictions").
+So the first step of a shape evicts whole regions, the next goes in part, later
+ones repeat it; on CPU a shape whose first step was not read (NOTE [forward
+reaches]) is read at its second and goes in part from its third: one profiled
+step per shape that comes back. At shapes read, the reserve past a
 boundary is the forward's reach, read with regions whole, plus what the next
 region's policy keeps beyond its slots (the share its kind was seen to keep, or
 at most `BOUND` of what the region last held whole, past which an op's output
