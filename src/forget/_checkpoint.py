@@ -161,24 +161,18 @@ def _keeps_nothing(policy: Policy | bool) -> bool:
 def _tell_selective_checkpoint(forward_context: Any, respect: bool | None) -> None:
     """Hand ``respect_saved_tensors_hooks`` to torch's selective checkpoint, as torch does.
 
-    NOTE [respect saved-tensor hooks]: torch's selective checkpoint (SAC) keeps the
-    outputs its policy saves in a cache of its own, outside autograd's saved
-    tensors, and so outside any ``saved_tensors_hooks`` (``save_on_cpu``) around the
-    call. torch 2.14 added ``respect_saved_tensors_hooks`` to its checkpoint, which
-    sets it on SAC's forward context (its caching dispatch mode): ``True`` packs the
-    cache through the hooks, ``False`` keeps the old way, ``None`` keeps the old way
-    and warns (``FutureWarning``) when hooks are around, since the default will
-    change. forget sets it on the same context, so ``forget.checkpoint`` behaves as
-    torch's checkpoint under both torches; its own hooks are not taken for the
-    user's (NOTE [checkpoint-internal hooks], in the engine). Found by attribute,
-    not version: a torch whose caching mode has none (before 2.14) keeps the cache
-    outside the hooks whatever is passed, so ``None`` and ``False`` are what it
-    does anyway, and ``True``, which it cannot do, raises rather than hold on the
-    device what the user meant to move off it. The outputs forget's own ``policy=``
-    keeps are forget's, held outside the hooks under every setting (``True`` with a
-    policy that keeps outputs raises, for the same reason). Under ``torch.compile``
-    torch's checkpoint ignores the setting (the cache is a tracing artifact), and so
-    does forget's compiled path.
+    NOTE [respect saved-tensor hooks]: torch's selective checkpoint (SAC) keeps what
+    its policy saves in a cache outside autograd's saved tensors, so outside any
+    ``saved_tensors_hooks`` (``save_on_cpu``). torch's checkpoint takes
+    ``respect_saved_tensors_hooks`` and sets it on SAC's caching mode: ``True`` packs
+    the cache through the hooks, ``False`` keeps it outside, ``None`` keeps it
+    outside and warns when hooks are around. forget sets it on the same context, so
+    ``forget.checkpoint`` behaves as torch's (its own hooks are seen through: NOTE
+    [checkpoint-internal hooks]). Found by attribute, not version: a torch without
+    it keeps the cache outside whatever is passed, so ``True`` raises there rather
+    than hold on the device what the user meant to move off it; so does ``True``
+    with a forget ``policy=`` that keeps outputs, which forget holds outside the
+    hooks. Under ``torch.compile`` the setting is ignored, as torch ignores it.
     """
     caching = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
     if caching is None or not isinstance(forward_context, caching):

@@ -157,8 +157,8 @@ def _plan_budgets(
             if planner.trials.peak(s) <= budget
         ]
         # NOTE [select, then measure]: the fastest of many noisy timings is faster
-        # than its schedule is (the least of ten medians that scatter by 10 % lies
-        # about 1.5 sigma below their mean). The plan was chosen by the planner's
+        # than its schedule is (the least of several scattered medians lies well
+        # below their mean, by about 1.5 sigma for ten). The plan was chosen by the planner's
         # own timing round and is timed afresh here; the best uniform segmentation
         # is chosen by one round and timed afresh beside the plan in another.
         plan_items = row.plan.schedule.items

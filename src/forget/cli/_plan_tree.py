@@ -1,17 +1,5 @@
 """``forget plan module:factory``: plan a user's own model over its module tree.
 
-NOTE [factory contract]: the factory is called with no arguments (torch
-seeded by ``--seed``) and returns ``(model, batch)`` or ``(model, batch,
-loss_fn)``. ``model`` is any ``nn.Module``, in the mode it trains in;
-``batch`` is what one step feeds it: a tuple of positional inputs
-(``model(*batch)``), a dict of keyword inputs (``model(**batch)``), or one
-tensor (``model(batch)``); ``loss_fn(output)`` returns the scalar loss, and
-without it the loss is ``output.loss`` (a Hugging Face model given
-``labels``) or the sum of a tensor output, as for `forget.plan`. A tuple and
-a dict cover every call: positional inputs that need a keyword beside them
-go in the dict by their names. Anything else is refused in one line before
-any work.
-
 The command profiles the step once (`forget.planning.TreePlanner`), plans
 every budget of ``--budgets`` (smallest first: NOTE [monotone in the budget]),
 times each plan's step beside the plain one (NOTE [paired rounds]), prints
@@ -25,6 +13,18 @@ asked to plan for: the profile runs within the largest budget of ``--budgets``
 it fits that budget by its predicted peak. Where it does not, each plan's
 step is timed alone, in milliseconds, and no share of the plain step's time
 is printed.
+
+NOTE [factory contract]: the factory is called with no arguments (torch
+seeded by ``--seed``) and returns ``(model, batch)`` or ``(model, batch,
+loss_fn)``. ``model`` is any ``nn.Module``, in the mode it trains in;
+``batch`` is what one step feeds it: a tuple of positional inputs
+(``model(*batch)``), a dict of keyword inputs (``model(**batch)``), or one
+tensor (``model(batch)``); ``loss_fn(output)`` returns the scalar loss, and
+without it the loss is ``output.loss`` (a Hugging Face model given
+``labels``) or the sum of a tensor output, as for `forget.plan`. A tuple and
+a dict cover every call: positional inputs that need a keyword beside them
+go in the dict by their names. Anything else is refused in one line before
+any work.
 """
 
 from __future__ import annotations

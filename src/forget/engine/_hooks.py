@@ -1,31 +1,18 @@
 """A region's saved-tensor hooks, which torch's selective checkpoint sees as a checkpoint's own.
 
-NOTE [checkpoint-internal hooks]: torch's selective checkpoint (SAC: the contexts of
-``create_selective_checkpoint_contexts`` passed as ``context_fn``) keeps the outputs
-its policy saves in a cache of its own, outside autograd's saved tensors. Since
-torch 2.14 it asks, at each op it caches, which ``saved_tensors_hooks`` the user has
-around the region: with ``respect_saved_tensors_hooks=True`` it packs the cached
-outputs through them (``save_on_cpu`` then holds them on the host), with ``None``
-it keeps them outside the hooks and warns (``FutureWarning``: a future torch will
-route them), with ``False`` it keeps them outside, silently. The hooks it asks for
-are the innermost ones, skipping the hooks of checkpoints themselves: a pack hook
-marked ``_checkpoint_internal`` stands for the hooks that were innermost when it
-was pushed (its ``_user_hooks``). A forget region's hooks are the innermost while
-its function runs, so unmarked they would be taken for the user's: torch would
-warn around every selective checkpoint run by forget (or inside a forget region),
-hooks or none, and with ``True`` would pack its cache through forget's own pack
-(slots that re-run the region). Marked, they are seen through, as torch's own
-checkpoint hooks are, and forget behaves as torch's checkpoint: the warning and
-the routing concern the user's hooks around the call, and only those.
-
-The mark is torch's private protocol (``_current_user_saved_tensors_hooks`` in
-``torch.utils.checkpoint``), so it is used only where torch has it (found by
-looking the function up, not by version); older torches ask nobody, and the
-hooks go on unwrapped. ``_user_hooks`` lives only while the hooks are pushed, as
-in torch: the graph holds a pack hook where the garbage collector cannot see it,
-so a lasting reference to the user's hooks could leak them with the graph.
-``forget.regenerating`` is not marked: it is a user's context, as ``save_on_cpu``
-is, and like it is seen.
+NOTE [checkpoint-internal hooks]: torch's selective checkpoint (SAC) keeps what
+its policy saves in a cache of its own and, where torch has the protocol, asks
+which user ``saved_tensors_hooks`` surround the region, to pack that cache
+through them (``respect_saved_tensors_hooks``) or warn. It skips hooks marked
+``_checkpoint_internal``. A forget region's hooks are innermost while its
+function runs, so unmarked they would be taken for the user's: torch would warn
+around every SAC inside forget and pack its cache through forget's slots. So
+forget marks its hooks and behaves as torch's checkpoint: only the user's hooks
+around the call count. The mark is a private torch protocol, used only where the
+function exists (looked up, not version-checked); ``_user_hooks`` lives only
+while the hooks are pushed, since a lasting reference from a pack hook, which the
+garbage collector cannot see, could leak the user's hooks with the graph.
+``forget.regenerating`` is a user's context, as ``save_on_cpu`` is: not marked.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
 """Regenerate: drop the saved outputs of cheap ops and rebuild them in backward.
 
-NOTE [regenerate]: an activation such as GELU saves its *input* for its own
-backward, and the next op (the MLP's second Linear) saves its *output*: two
-tensors of the hidden width, one of which is a pure function of the other.
-Under `regenerating`, saved-tensor hooks look at every tensor autograd saves;
-one that is the output of a listed op (or a view of it, as ``F.linear`` saves
-a 3-d input flattened) is not kept: what is kept is a reference to the op's
-backward node, whose own saved input rebuilds it (``aten.gelu`` on the same
-input, with the same ``approximate``: the same kernel on the same values, so
-the rebuilt tensor is bitwise the one the forward made). The op runs again
-once per unpack, in backward, before the node's own backward frees its input
-(a consumer's backward always runs before its producer's). No dispatch mode
-and no re-run of anything else: on the reference GPT's MLP half it spares the
-GELU output (1 MiB of 2.5 MiB) for one GELU, where a policy region's per-op
-bookkeeping costs more than the ops it spares (NOTE [plain re-run] in
-``_region``).
-
-LayerNorm's output (NOTE [regenerate a layer norm]), products (NOTE
-[regenerate a product]) and CPU dropout's float masks (NOTE [two-valued
-masks]) are rebuilt the same way, from what autograd keeps anyway.
-
-Outside forget regions it installs saved-tensor hooks. Inside one (NOTE
-[regenerate in a re-run]) it installs nothing: the region's first forward
-keeps nothing anyway, and its re-run, which keeps what backward needs, drops
-the listed outputs instead of keeping them. A tensor still alive at unpack is
-returned as it is, after the version check autograd would make.
+NOTE [regenerate]: some saved tensors are pure functions of others autograd
+keeps anyway: GELU saves its input, and the next Linear saves GELU's output.
+Under `regenerating`, the pack hook keeps, for the output (or a view of it) of a
+listed op, only a reference to the op's backward node; at unpack the op runs
+again on that node's saved input (same kernel, same values: bitwise the
+forward's tensor), before the node's own backward frees it, since a consumer's
+backward runs before its producer's. No dispatch mode and no re-run of anything
+else, so it is cheaper than a policy region where the ops spared are small
+(figures: benchmarks/measured.md, "Single measurements behind the NOTEs").
+LayerNorm outputs, products and CPU dropout masks are rebuilt the same way
+(NOTE [regenerate a layer norm], [regenerate a product], [two-valued masks]).
+Inside a forget region it installs nothing: the re-run drops the listed outputs
+instead (NOTE [regenerate in a re-run]). A tensor still alive at unpack is
+returned as it is, after autograd's version check.
 
 NOTE [regenerate in a re-run]: `regenerating` entered while a region runs
 records its pack function against the innermost region's own pack (a
@@ -70,11 +59,9 @@ def _silu(node: Any, out: torch.Tensor) -> Rebuild | None:
 
 # NOTE [region outputs]: the key a forget region sets in the metadata of its
 # outputs' nodes (``_region``). Such a node saved forget slots, not tensors:
-# reading one (a rule's check, or a rebuild) would re-run the region at that
-# moment, in the forward or ahead of its own backward, and hold what the re-run
-# rebuilds until then (on the residual MLP, a plan keeping a stage under
-# ``regenerate`` after a region ending in a LayerNorm peaked 2.6 MB higher).
-# The rules leave their outputs alone.
+# reading one (a rule's check, or a rebuild) would re-run the region then, in the
+# forward or ahead of its own backward, and hold what the re-run rebuilds until
+# then, which raises the peak. The rules leave their outputs alone.
 REGION_OUTPUT = "forget.region_output"
 
 
@@ -197,16 +184,14 @@ def _cpu_bits(t: torch.Tensor) -> torch.dtype | None:
 def _two_valued(t: torch.Tensor) -> Rebuild | None:
     """A rebuild of ``t`` from a bool mask and one value, if ``t`` is exactly that.
 
-    NOTE [two-valued masks]: dropout on CPU draws its mask as a float tensor,
-    ``empty_like(x).bernoulli_(1 - p).div_(1 - p)``, and the product's backward
-    keeps it: 4 bytes per element for one bit of information. A saved tensor
-    without a grad_fn that was written in place (its version is not 0, as
-    ``bernoulli_`` and ``div_`` leave it) is checked: if rebuilding it from
-    ``t != 0`` and its largest value gives the same bits, the mask (1 byte per
-    element) and that value are kept instead. The check costs a few reductions
-    over the tensor, only for such tensors; the rebuild, one pass. CPU only:
-    on CUDA, dropout's fused kernel keeps a bool mask already, and the check
-    would wait for the device.
+    NOTE [two-valued masks]: dropout on CPU draws its mask as a float tensor
+    (``empty_like(x).bernoulli_(1 - p).div_(1 - p)``) and the product's backward
+    keeps it: a float per element for one bit. A saved tensor without a grad_fn that
+    was written in place (version not 0) is checked: if ``t != 0`` and its largest
+    value rebuild the same bits, a bool mask and that value are kept instead. The
+    check costs a few reductions, only for such tensors; the rebuild, one pass. CPU
+    only: CUDA's fused dropout keeps a bool mask already, and the check would wait
+    for the device.
     """
     bits = _cpu_bits(t)
     if (

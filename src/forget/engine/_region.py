@@ -17,21 +17,18 @@ its inputs through the enclosing region's pack, so the enclosing region
 keeps none of them; they are rebuilt by the enclosing recomputation when the
 inner region needs them.
 
-NOTE [plain re-run]: the dispatch mode of NOTE [state tracking] costs a call
-into Python per op, most of it torch's Python dispatch itself, which any mode
-pays (figures: benchmarks/measured.md, `python benchmarks/notes.py`), and a conv
-under a mode runs slower still. A re-run needs it only to replay a policy's kept
-outputs or to tell a nested region which tensors are the re-run's own. Outside
-state is put back without it: the values from before the forward's writes go in
-before the re-run and the values the forward left come back after it; write-only
-state (running statistics, counters), which the forward kept no copy of, is
-copied around the forward of the module that owns it (`_sites.write_only_put_back`),
-or around the whole re-run when the region's function is that module's own method
-(NOTE [hooks of the region's own module]).
-A region whose forward had no policy and started no region re-runs without a
-mode; the early stop then raises from the pack hook itself (the op whose inputs
-it packs does not run, as in torch's checkpoint), or, after an op that writes
-into an argument, at the next pack of a later op.
+NOTE [plain re-run]: the dispatch mode of NOTE [state tracking] costs a call into
+Python per op (mostly torch's Python dispatch, which any mode pays; figures:
+benchmarks/measured.md, "Per-op costs of the engine"). A re-run needs it only to
+replay a policy's kept outputs or to tell a nested region which tensors are the
+re-run's own. Outside state is put back without it: pre-forward values before the
+re-run, the forward's after; write-only state (running statistics, counters) is
+copied around its owner module's forward (`_sites.write_only_put_back`), or
+around the whole re-run when the region is that module's own method (NOTE [hooks
+of the region's own module]). So a region with no policy and no nested region
+re-runs without a mode; its early stop raises from the pack hook (the packed
+op does not run, as in torch's checkpoint) or, after a write into an argument,
+at the next pack.
 
 NOTE [whole re-run]: with ``early_stop=False`` the re-run runs the whole
 function, so it must save as many tensors as the forward did; the count is

@@ -1,51 +1,22 @@
 """Call sites of regions: learned once on the exact path, then run on saved-tensor hooks alone.
 
 NOTE [fast path]: the dispatch mode of NOTE [state tracking] costs a call into
-Python per op of the forward. What it finds out is, for most regions, the same
-on every call: whether the region writes into outside state and which, whether
-it draws from an explicit generator, whether it runs a policy, at which op each
-saved tensor was packed (for early stop). So the first call of a *site* (the
-module, bound method, function or callable object run as a region) runs the
-exact path and the site learns from its tracker. A later call of a site that
-learned it may runs the forward with saved-tensor hooks only, as torch's
-checkpoint does, under a guard that costs no per-op work:
-
-- *What is outside.* The storages of the call's tensor arguments and of every
-  parameter, buffer and tensor the callable reaches (a module's, a bound
-  method's owner's, a ``functools.partial``'s arguments, closure cells: as
-  `_replay.devices_of` finds them; the modules walked once per site and
-  checked per call, NOTE [cached walks]) are external; everything else the forward
-  saves is the region's own (`_FastTracker.made`), so nested regions and the
-  pack hook tell the two apart as they do with a tracker. A tensor reached some
-  other way (a global) counts as the region's own: its slot is rebuilt by the
-  re-run, which reads it again; only its identity is lost, never a value.
-- *Writes.* The versions of those tensors are read before and after the
-  forward. Every buffer of at most `SMALL_BUFFER_BYTES` (running statistics,
-  counters), and every larger one the site has seen written, is copied before
-  the forward and compared with its copy after it (on the CPU: on a device
-  the comparison would wait for the stream): batch norm's kernels update the
-  running statistics without bumping their version, so a version alone does
-  not tell. A written one is put back before the re-run and the values the
-  forward left after it, as on the exact path. So a write that only some calls
-  make (an average updated every tenth step, BatchNorm switched to training)
-  stays exact. A write the guard sees but cannot undo (into an argument, a
-  parameter, a large buffer never written before) raises `ForgetError` at the
-  end of that forward and sends the site back to the exact path.
-- *Random numbers.* The RNG of CPU and devices is always captured (the exact
-  path keeps it only for regions that drew), as torch's checkpoint does.
-- *Early stop.* The forward's saved tensors are compared with the ones the
-  site learned (shapes, dtypes, devices); when they agree the learned op
-  positions of the packs and of the ops that write into an argument place the
-  early stop (NOTE [early stop]); when not, this call's re-run runs the whole
-  function.
-
-What stays on the exact path: a policy, ``debug=True``, a site whose first call
-drew from an explicit ``generator=``, or wrote into anything but a buffer it
-reaches. What the fast path cannot see: a later call alone that draws from an
-explicit generator, writes into a tensor reached in neither way above, or
-writes into a buffer without bumping its version where no copy is compared (a
-large one; on a device, any).
-`fast_path` (``with forget.fast_path(False):``) turns it off for such code.
+Python per op, and what it learns is, for most regions, the same at every call
+(which outside state is written, whether an explicit generator is drawn from,
+at which op each saved tensor is packed). So a *site* (the module, bound method,
+function or callable object run as a region) runs its first call on the exact
+path and learns from the tracker; later calls run on saved-tensor hooks alone,
+as torch's checkpoint does, under a guard with no per-op work. The guard takes
+every tensor the callable reaches (`_replay.devices_of`; NOTE [cached walks]) as
+outside; compares versions, and on the CPU copies of small or once-written
+buffers (batch norm updates its statistics without bumping a version), to put
+written state back before the re-run; always captures the RNG; and places the
+early stop from the learned pack positions when the saved tensors agree. A write
+it cannot undo raises `ForgetError` and sends the site back to the exact path.
+A policy, ``debug=True``, an explicit ``generator=`` or a write into anything but
+a reached buffer keep a site exact; code the guard cannot see (a global written,
+a large or device buffer written without a version bump) needs
+``forget.fast_path(False)``.
 """
 
 from __future__ import annotations

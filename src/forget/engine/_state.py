@@ -1,20 +1,16 @@
 """Buffers that a forward mutates in place, restored around recomputation.
 
-NOTE [state tracking]: a forgotten region runs twice, so anything it
-mutates in place that outlives it (BatchNorm's running statistics and
-``num_batches_tracked``, spectral norm's power-iteration vector, a user's
-counter) would be updated twice, and the second run would start from the
-state the first one left. We watch the region with a dispatch mode: an op
-that writes into a tensor the region did not create (its storage was not an
-output of an op inside the region) writes into *external* state, so we copy
-that tensor once, before its first write. Before recomputing we put the
-pre-forward values back, so the re-run sees what the forward saw; after
-it we put back the values the forward left, so the step leaves every module
-exactly as a plain step does. Values are written through ``.data``, which
-shares storage but not the version counter, so restoring is invisible to
-autograd's in-place checks. This is general: it knows nothing of BatchNorm.
-The same mode notes whether any op drew random numbers, so the RNG state is
-kept only for regions that need it.
+NOTE [state tracking]: a forgotten region runs twice, so outside state it
+mutates in place (BatchNorm's running statistics, spectral norm's vector, a
+user's counter) would be updated twice, the re-run starting from what the
+forward left. A dispatch mode watches the region: an op writing into a tensor
+whose storage the region did not make writes external state, copied once before
+its first write. Before the re-run the pre-forward values go back, so it sees
+what the forward saw; after it, the forward's values, so the step leaves every
+module as a plain step does. Writes go through ``.data`` (shared storage, not
+the version counter), invisible to autograd's in-place checks. It is general,
+knowing nothing of BatchNorm, and it also notes whether the region drew random
+numbers, so RNG state is kept only where needed.
 
 NOTE [write-only state]: a counter such as BatchNorm's ``num_batches_tracked``
 is only ever updated in place (``add_``), never read by another op of the

@@ -1,23 +1,16 @@
 """The modules under some roots, with their parameters and buffers: walked once, checked per call.
 
 NOTE [cached walks]: a fast forward's guard (NOTE [fast path]) and a cap's step
-(NOTE [the cap's count]) need, at every call, the modules under some roots and
-their parameters and buffers. ``Module.modules()`` finds them through a
-generator per module, most of a guard's Python calls and a step's (the cap's
-calls: benchmarks/measured.md), and they seldom change from one call to the
-next. `ModuleWalks` keeps the last walk and
-checks at each call that it still holds: the same roots, and in every slot of
-every walked module's ``_parameters``, ``_buffers`` and ``_modules`` the very
-object that was there. An object is compared by its id and through a weak
-reference taken at the walk: a live object's id is its own, so a live referent
-with the id seen then is the object seen then, and a freed one (whose id a new
-object may take) fails the check. The references hold nothing alive, so a
-cache kept by a module's own call site leaks nothing. Any change (a parameter
-or buffer replaced, added or deleted, as ``model.to(dtype)`` replaces buffers;
-a submodule replaced, added or removed) walks the modules again. The check
-reads the slots, not what is in them: callers read at every call what may
-change in place (values, versions, storages, which ``p.data = ...`` replaces
-in the same object; ``training``; ``grad``).
+(NOTE [the cap's count]) need at every call the modules under some roots, with
+their parameters and buffers. ``Module.modules()`` costs a generator per module,
+most of those calls' Python work, and the answer seldom changes. `ModuleWalks`
+keeps the last walk and checks at each call that every slot of every walked
+module's ``_parameters``, ``_buffers`` and ``_modules`` holds the very object
+seen, by id and through a weak reference (a live referent with the id seen is
+that object; a freed one fails), so the cache keeps nothing alive. Any change (a
+buffer replaced by ``model.to(dtype)``, a submodule added) walks again. Only
+slots are checked: callers read what changes in place (values, versions,
+``p.data``, ``training``, ``grad``) at every call.
 """
 
 from __future__ import annotations

@@ -2,23 +2,16 @@
 
 NOTE [arguments written in place]: a region keeps its arguments for the re-run.
 When its function writes into one in place with grad on (an ``inplace=True``
-dropout or ReLU first in a block: torchvision's EfficientNet classifier), that
-argument's ``grad_fn`` becomes the write's node, made inside the region, and
-the node keeps what it saves through the region's pack: the saved-tensor hooks
-and their slots, which hold the region. Region, argument, node, hooks, region:
-a cycle through C++ the garbage collector cannot see, so a step whose output is
-dropped without backward, or one under a policy that keeps tensors, left the
-region, the argument and everything they hold alive for good.
-
-So such an argument is held weakly, beside a detached alias of it (the same
-storage and version counter, no history), and the pairs the region keeps to put
-its values back before a re-run hold the alias too. A re-run takes the argument
-itself while the caller still holds it (as every other argument is taken);
-else the alias, made a non-leaf that requires grad when the argument did (a
-re-run's own write into a leaf that requires grad would be refused), which
-shares its storage, so the re-run reads and writes the same memory. Only under
-``create_graph`` does the argument's history matter (NOTE [double backward]);
-there a dropped argument cannot be rebuilt with it, and the re-run says so.
+ReLU first in a block), that argument's ``grad_fn`` becomes a node made inside
+the region, whose saved tensors go through the region's hooks and slots, which
+hold the region: a cycle through C++ the garbage collector cannot see, leaking
+the region when no backward runs. So such an argument is held weakly, beside a
+detached alias (same storage and version counter, no history) that the region's
+put-back pairs hold too. A re-run takes the argument while the caller holds it,
+else the alias (a non-leaf that requires grad when the argument did), which
+reads and writes the same memory. Only ``create_graph`` needs the argument's
+history (NOTE [double backward]); there a dropped argument cannot be rebuilt,
+and the re-run says so.
 """
 
 from __future__ import annotations

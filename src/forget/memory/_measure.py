@@ -1,44 +1,26 @@
 """`measure`: peak, saved-for-backward and end bytes of a call, by one of three probes.
 
+A ``resize_`` of a storage the call made counts at its new size; an external
+storage grown in place counts by its growth; sparse tensors and subclasses
+without a plain storage are skipped.
+
 NOTE [the two probes]: ``probe="profiler"`` reads the allocator's own record
-(``torch.profiler.profile(profile_memory=True)``: one event per allocation and
-free, with its size; the peak is the maximum of their running sum). On torch
-2.13 CPU it agrees with the ledger to the byte on ``saved_bytes`` and
-``end_bytes`` of an MLP, a conv+BatchNorm net and an attention block, and on the
-MLP's peak. Peaks differ where one probe sees what the other cannot:
+(``torch.profiler.profile(profile_memory=True)``: an event per allocation and
+free; the peak is the maximum of their running sum). It agrees with the ledger
+to the byte on ``saved_bytes`` and ``end_bytes`` of the test nets; peaks differ
+where one probe sees what the other cannot (figures: benchmarks/measured.md,
+"Single measurements behind the NOTEs"):
 
-* Memory a kernel allocates for itself is no op output, so the ledger misses
-  it: oneDNN/conv workspaces and weight reorders, BatchNorm's per-thread
-  buffers, the 8- and 4-byte tensors a Python scalar becomes in ``x * 2``. On
-  the conv+BatchNorm test net the profiler's peak is 24,576 bytes (13%) higher.
-* Any dispatch mode changes one thing in the program it watches:
-  ``at::isTensorSubclassLike`` is true while a mode is active, so autograd sums
-  the gradients of a tensor used by several ops out of place instead of into
-  the first one (and ``AccumulateGrad`` adds into an existing ``.grad`` out of
-  place). That costs extra transient buffers: the ledger's peak of the
-  attention test block is 600 bytes (1.2%) higher than the plain run's. forget
-  itself runs a dispatch mode in its regions, so this is no worse there.
-* Frees of memory made before the call (a ``zero_grad(set_to_none=True)``
-  inside it) are left out by both probes: each counts the memory the call
-  made. The allocator's record could not say them reliably anyway. torch's CPU
-  allocator learns a block's size only while a profiler records memory, and
-  keeps the sizes of blocks that outlived that profiler in a table keyed by
-  address. A block made before this call is then reported freed with a size
-  when its address once belonged to a block another profiled call left alive,
-  and unreported otherwise: the same step read 3,161,088 B lower on its second
-  profiled run than on its first (the gradients the first had made), and a doc
-  example failed one suite run in four, most likely on an address reused by
-  chance (it has not failed since the change). So the probe matches each free
-  to an allocation of this call by address (the profiler's event tree carries
-  it) and drops the rest.
-* The CUDA caching allocator (``probe="cuda"`` and the profiler on CUDA)
-  rounds each block up to a multiple of 512 bytes; the ledger counts ``nbytes``.
-
-A ``resize_`` of a storage the call made is followed (the storage counts at its
-new size; the brief moment when old and new buffers coexist is not); an external
-storage grown in place counts by its growth. Sparse tensors and tensor
-subclasses without a plain storage are skipped (their dense parts, when made by
-ops, are counted).
+* a kernel's own memory (oneDNN workspaces, BatchNorm's per-thread buffers, the
+  tensors a Python scalar becomes) is no op output, so the ledger misses it;
+* any dispatch mode makes autograd sum a reused tensor's gradients out of
+  place (``at::isTensorSubclassLike``), so the ledger's run holds a few more
+  transients than the plain one, as forget's own regions do anyway;
+* frees of memory made before the call are dropped by both: the CPU allocator
+  sizes an older block's free only by chance of address reuse, so the probe
+  keeps only frees it matches by address to an allocation of this call;
+* CUDA's caching allocator rounds blocks up to 512 bytes; the ledger counts
+  ``nbytes``.
 """
 
 from __future__ import annotations
@@ -76,23 +58,18 @@ PROBES = ("ledger", "profiler", "cuda")
 def frozen_heap() -> Iterator[None]:
     """Freeze the objects alive now for the duration of the block (many measured calls).
 
-    NOTE [frozen heap]: `measure` collects garbage in full after every call, so
-    that the cycles the call leaves are freed before ``end_bytes`` is read. A
-    full collection walks every object the collector tracks; with torch's
-    compiler modules imported (the first dispatch mode imports them) that is
-    hundreds of thousands of objects, a tenth of a second or more per call
-    (benchmarks/measured.md), which was half the time of planning a small
-    model. Objects alive before the block are not garbage the block's calls
-    made, so the block freezes them (``gc.freeze``): the collections inside
-    walk only what the block made, and find the same cycles,
-    so every figure is the same. Cycles among the frozen objects wait for the
-    block's end (``gc.unfreeze``), as they would wait for any late collection.
-    Before freezing, only the young generations are collected (the garbage the
-    caller made last, a step's graph among it): a full collection there cost
-    as much as three plain steps of a small ResNet, twice per plan, and what
-    it would add, old cycles, waits for the block's end as the frozen ones do.
-    A process that froze objects itself is left as it is (nothing is frozen or
-    unfrozen here), and so is a block nested in another.
+    NOTE [frozen heap]: `measure` collects garbage in full after every call, so the
+    cycles it leaves are freed before ``end_bytes`` is read. A full collection walks
+    every tracked object, hundreds of thousands once torch's compiler modules are
+    imported, which made it the larger part of planning a small model (figures:
+    benchmarks/measured.md, "Planning's first collection"). Objects alive before the
+    block are no garbage of its calls, so the block freezes them (``gc.freeze``): the
+    collections inside walk only what the block made and find the same cycles, so
+    every figure is the same; cycles among frozen objects wait for the block's end
+    (``gc.unfreeze``). Before freezing only the young generations are collected (the
+    caller's last garbage, a step's graph among it): old cycles wait for the end as
+    the frozen ones do. A process that froze objects itself, and a nested block, are
+    left as they are.
     """
     if gc.get_freeze_count():
         yield
@@ -402,17 +379,15 @@ def stop_open_record() -> None:
 def _without_kineto_log() -> Iterator[None]:
     """Keep the profiler's own log lines off stderr (NOTE [kineto's log]).
 
-    NOTE [kineto's log]: torch's profiler library (kineto) writes a line to
-    file descriptor 2 as each profiler starts and stops (``USDT: ...
-    SyncActivityProfilerHandler.cpp:52] profiler_start``, torch 2.13 CPU): two
-    per measured step, ten per ``forget plan`` of a small model, across the
-    progress bar and past ``--quiet``. ``sys.stderr`` never sees them (C++
-    writes the descriptor), so the descriptor itself is pointed at a temporary
-    file around the probe, and whatever else came there in the meantime (a
-    warning of the user's step, a C++ message) is written back after it, in its
-    order, without kineto's lines. ``KINETO_LOG_LEVEL=6`` silences them too, but
-    only when set before the process's first profiler starts, which a library
-    called after its user's own profiling cannot promise.
+    NOTE [kineto's log]: torch's profiler library (kineto) writes a line to file
+    descriptor 2 as each profiler starts and stops (``... profiler_start``), two per
+    measured step, across the progress bar and past ``--quiet``. ``sys.stderr``
+    never sees them (C++ writes the descriptor), so the descriptor itself is pointed
+    at a temporary file around the probe, and whatever else came there meanwhile (a
+    warning of the user's step) is written back after it, in order, without
+    kineto's lines. ``KINETO_LOG_LEVEL=6`` silences them too, but only when set
+    before the process's first profiler starts, which a library called after its
+    user's own profiling cannot promise.
     """
     try:
         _flush_stderr()

@@ -5,8 +5,8 @@ that runs under an autograd graph task (``torch._C._current_graph_task_id()`` is
 not -1), i.e. when the engine starts the first backward of the call. Everything
 the forward left alive counts: tensors saved for backward, the inputs a
 rematerialized region keeps, the forward's outputs (the loss), and the seed
-gradient ``backward()`` makes before the engine starts (``ones_like(loss)``, 4
-bytes for a float32 scalar). `saved` lists those tensors one by one.
+gradient ``backward()`` makes before the engine starts (``ones_like(loss)``).
+`saved` lists those tensors one by one.
 """
 
 from __future__ import annotations

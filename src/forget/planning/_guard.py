@@ -1,25 +1,17 @@
 """Run a measured step under a memory guard: a step that would pass the budget is stopped.
 
-NOTE [guarded steps]: the planner exists for the step that does not fit, so
-no step it runs may take the process past the budget, even one the cost model
-predicted to fit. Each measured step runs under a guard with the budget as
-its limit:
-
-* on CPU the guard is a ledger (NOTE [the ledger] in `forget.memory`) that
-  raises `Overrun` from inside the op whose output takes the bytes the step
-  allocated past the limit; the step unwinds from there (forward, backward or
-  a re-run), its tensors are freed with the exception, and the caller restores
-  the model (`untouched`). The ledger sees tensor storages, not kernel
-  workspaces, so the allocator may pass the limit by one op's workspace before
-  the step stops (NOTE [tree figures]: the planner learns those per module);
-* on CUDA the caching allocator itself is bounded
-  (``torch.cuda.set_per_process_memory_fraction``) to what is allocated now
-  plus the limit, and its ``OutOfMemoryError`` is the overrun; the cache is
-  emptied after it.
-
-A stopped step is a measured miss: its peak is known only to pass the limit.
-On CPU the guard's ledger sees every storage the step makes, so a step that
-runs through also has its ledger peak (`Peak.ledger_bytes`) at no second run.
+NOTE [guarded steps]: the planner exists for the step that does not fit, so no
+step it runs may take the process past the budget, even one predicted to fit.
+Each measured step runs under a guard with the budget as its limit. On CPU the
+guard is a ledger (NOTE [the ledger]) that raises `Overrun` from inside the op
+whose output passes the limit; the step unwinds, its tensors are freed with the
+exception, and the caller restores the model (`untouched`). The ledger sees
+storages, not kernel workspaces, so the allocator may pass the limit by one
+op's workspace (NOTE [tree figures]: the planner learns those per module). On
+CUDA the caching allocator itself is bounded
+(``set_per_process_memory_fraction``) and its ``OutOfMemoryError`` is the
+overrun. A stopped step is a measured miss; one that runs through has its
+ledger peak (`Peak.ledger_bytes`) with no second run.
 """
 
 from __future__ import annotations

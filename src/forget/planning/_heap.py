@@ -1,27 +1,17 @@
 """While planning, glibc's malloc hands large freed blocks back to the system (Linux).
 
 NOTE [freed heap]: planning must raise the process's resident memory by about
-the budget, not only hold the budget by the ledger (NOTE [planning within the
-budget] in `._tree.planner`). glibc's malloc serves a block below its mmap
-threshold from its heap, whose freed pages stay resident, and the threshold
-rises to each larger mapped block freed, up to 32 MiB: soon every activation
-comes from the heap. Each measured step allocates in another pattern, so the
-heap grows by the holes the steps before left, and the resident set with it,
-while no step holds more than the budget (benchmarks/measured.md). So while
-planning the threshold is `_PLANNING_THRESHOLD_BYTES` and the heap is trimmed
-(glibc looks at the threshold only when no freed chunk, the heap's free top
-included, fits): a larger block is mapped for itself and unmapped when freed.
-The price could be time, as each such block's pages fault in when first
-written, and the timed runs see those faults too; on a quiet machine planning
-took as long either way, within the noise (measured.md). This is a process-wide setting, which a
-library should leave as it found it; glibc has no getter, and any setting ends
-the rising for good, so after planning it is set where the rising stops,
-`_AFTER_THRESHOLD_BYTES` (where a process that freed one mapped block of 32
-MiB is anyway), and the freed heap is trimmed (``malloc_trim``). A threshold
-the user set (``MALLOC_MMAP_THRESHOLD_``, or the ``glibc.malloc.mmap_threshold``
-tunable) is kept. Off glibc (musl) nothing is called; where another malloc is
-preloaded (jemalloc), glibc's own ``mallopt`` configures an allocator not in
-use, which is harmless.
+the budget, not only hold the budget by the ledger. glibc's malloc serves a
+block below its mmap threshold from its heap, whose freed pages stay resident,
+and the threshold rises to each larger mapped block freed (to 32 MiB), so each
+measured step, allocating in another pattern, grows the heap by the holes the
+steps before left (figures: benchmarks/measured.md, "Planning's resident set
+with glibc's mmap threshold fixed"). So while planning the threshold is
+`_PLANNING_THRESHOLD_BYTES` and the heap is trimmed: a larger block is mapped
+for itself. Afterwards glibc, which has no getter and stops the rising at any
+setting, is set where the rising stops (`_AFTER_THRESHOLD_BYTES`) and trimmed.
+A threshold the user set is kept; off glibc nothing is called, and under a
+preloaded malloc (jemalloc) glibc's ``mallopt`` is harmless.
 """
 
 from __future__ import annotations

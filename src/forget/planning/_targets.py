@@ -1,24 +1,17 @@
 """What a plan runs: a model or list of blocks as a chain of stages with one loss.
 
-NOTE [finer stages]: in a memory model where equal blocks cost equal memory,
-a budget that some segment count fills is met best by that uniform
-segmentation: every schedule over whole blocks that fits it does at least as
-much work (parameter gradients break that equality, NOTE [parameter
-gradients] in `forget.schedules._schedule`, but only by a little). Cutting the
-blocks finer opens schedules that are not on whole blocks: a region may end inside
-a block, and a part of a block may be kept while the rest is forgotten (a
-GPT block's attention half, whose T x T tensors grow with the context, and
-its MLP half differ in bytes kept per second of re-run). With ``split``, each
-block that offers stages (a ``forget_stages()`` method returning name ->
-callable, run in turn; an ``nn.Sequential`` block's children) becomes that
-many stages, less those joined at a cut that no backward reads (NOTE [dead
-cuts]). The stages meet at single tensors, as blocks do; block ``i``
-gives ``block_sizes[i]`` of them. The baselines (a region per block,
-uniform segments) stay on whole blocks, as a user would cut the model with
-``checkpoint_sequential``, and remain candidates: every schedule over whole
-blocks is one over the finer stages too, so the search space only grows.
-A plan made with ``split`` records ``block_stages`` (and ``stage_parts``,
-where stages were joined) and splits the blocks again when it runs them.
+NOTE [finer stages]: where equal blocks cost equal memory, a budget that some
+segment count fills is met best by that uniform segmentation (parameter
+gradients break the equality only a little: NOTE [parameter gradients]). Cutting
+blocks finer opens schedules not on whole blocks: a region may end inside a
+block, and part of a block may be kept while the rest is forgotten (a GPT
+block's attention and MLP halves differ in bytes kept per second of re-run).
+With ``split``, a block that offers stages (``forget_stages()``, name ->
+callable run in turn; an ``nn.Sequential``'s children) becomes that many stages,
+less those joined at a dead cut (NOTE [dead cuts]); they meet at single tensors,
+as blocks do. The baselines stay on whole blocks and remain candidates, so the
+search space only grows. A plan made with ``split`` records ``block_stages``
+(and ``stage_parts``) and splits the blocks again when it runs them.
 """
 
 from __future__ import annotations
@@ -164,18 +157,16 @@ def _dead_cuts(target: _Target, offered: list[list[tuple[str, Block]]]) -> list[
     """Per block, the groups of its stages that meet only at dead cuts.
 
     NOTE [dead cuts]: the memory model keeps a stage's input and output alive
-    until its backward (`forget.schedules._schedule`), which is exact when some
-    backward reads them. A cut that no backward reads, as between BatchNorm
-    (which saves its input) and ReLU (which saves its output), holds in a
-    plain step only until the next stage has run; the model would count it to
-    the end of the forward, 2 MiB per conv block of the reference CNN, and
-    plan at small budgets on a peak off by that much (its plain peak was
-    predicted 30.6 MB against 21.0 MB measured). So the stages on either side
-    of a dead cut are planned as one: the cut is what the planner loses, a
-    region's start there, which costs the same bytes as its neighbours' in
-    the usual case. A cut is dead when no tensor that a stage of the block
-    saves for backward, nor the block's output, shares its storage. Found by
-    running each block once with grad, on the sample input, leaving no trace.
+    until its backward (`forget.schedules._schedule`), exact when some backward
+    reads them. A cut no backward reads (between BatchNorm, which saves its input,
+    and ReLU, which saves its output) is held in a plain step only until the next
+    stage has run; counted to the end of the forward, it put the predicted peak of
+    the reference CNN far above the measured one (benchmarks/measured.md, "Single
+    measurements behind the NOTEs"). So the stages either side of a dead cut are
+    planned as one: the planner loses only a region's start there. A cut is dead
+    when no tensor a stage of the block saves for backward, nor the block's output,
+    shares its storage; found by running each block once with grad on the sample
+    input, leaving no trace.
     """
     groups: list[list[int]] = []
     h = target.chain_input()

@@ -132,7 +132,7 @@ def paired_overheads(
     machine that fell on plain's steps in some rounds and on a runner's in
     others count as overhead; paired, what a round shares divides out. The
     rounds stay paired across runners too, for a ratio's spread (`forget
-    plan`'s 90 % range).
+    plan`'s range of the middle runs).
     """
     plain = object()
     rounds = time_rounds(target, {plain: None, **runners}, repeats)

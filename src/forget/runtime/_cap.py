@@ -14,33 +14,20 @@ sees what autograd saves outside the regions. Like a tree plan, the cap
 changes no class and adds no submodule (NOTE [instance forward]); `Cap.remove`
 restores each forward exactly.
 
-NOTE [steps of known shapes]: a step whose shapes the cap has seen hold
-within it repeats what the cap decided then, without counting: the regions
-evicted then run as forgotten regions from the start (`forget.engine.run_region`),
-every other candidate plain, with no hook; where nothing was evicted the step
-is plain, at torch's own speed. Its shapes are the key (every tensor argument's
-shape, dtype and device, the other arguments' values, every module's training
-flag and which parameters require grad): the bytes a step holds follow from
-them. A repeated step holds no more than the capped step it repeats: the same
-regions re-run in backward, and it never holds their activations, which the
-capped step held until it evicted them. A decision is learned from a capped
-step whose estimated peak was within the cap: at once where it evicted nothing,
-else from the second capped step of the key (the first, with no region's size
-learned, evicts more than it needs). It is used while its estimate is within
-the cap in force, and, where it evicted, while the cap is no higher than the
-one it was made under (a higher one may evict less: the step runs capped and
-decides again). On CUDA the allocator's peak of each repeated step is read at
-the next step: above the decision's estimate, the decision is forgotten, and
-the next step of those shapes runs capped, its allocator peak teaching the
-reserve as every capped step's does (NOTE [the cap's count]). What this
-leaves out: a step whose memory depends on its values, not its shapes (a
-mixture of experts' routing, attention that drops padding tokens), may hold
-more than the step of the same key before it; pass
-``repeat_known_shapes=False`` for such a model. Figures
-(benchmarks/measured.md, "A cap never reached" and "The cap at 50 % against
-the plan"): a cap never reached cost 1.02 to 1.51 x plain before, within
-noise of 1.00 after; a cap that evicts costs what forgetting the same
-regions costs.
+NOTE [steps of known shapes]: a step whose shapes the cap has seen hold within
+it repeats the decision made then, without counting: the regions evicted then
+run forgotten from the start (`forget.engine.run_region`), every other
+candidate plain, with no hook. The key is every tensor argument's shape, dtype
+and device, the other arguments' values, every module's training flag and which
+parameters require grad: the bytes a step holds follow from them. A repeated
+step holds no more than the capped step it repeats (the same regions re-run,
+and it never holds their activations). A decision is learned from a capped step
+within the cap (from the key's second one where it evicted: the first evicts
+more than it needs) and used while its estimate is within the cap and the cap
+is no higher than the one it was made under. On CUDA a repeated step's allocator
+peak above the estimate forgets the decision. A step whose memory depends on its
+values (experts' routing, dropped padding) wants ``repeat_known_shapes=False``.
+Figures: benchmarks/measured.md, "A cap never reached".
 """
 
 from __future__ import annotations

@@ -2,19 +2,16 @@
 
 NOTE [gradients as they come]: backward makes a parameter's gradient when it
 reaches the parameter's last use (in the forward's order), so at the regions
-backward meets first most gradients do not exist yet. Counted all at once
-they were 38 % of a cap of half a torchvision ViT's step, whose estimate said
-8,408,992 B where a plan at that cap measured 6,253,672 B (benchmarks/measured.md,
-"Models nobody here wrote"). So, where the estimate with every gradient passes
-the cap, each parameter's gradient is counted from the first region backward
-meets among those that use it: the last entry (in the forward's order) of
-the innermost candidate region holding every module that owns it (a tied
-weight has two owners), or of a region that saved it for backward, if later.
-A parameter owned outside every region, or saved by an op outside them,
-counts throughout, and past the last region every gradient does. Not seen: a
-parameter that an op of another region uses without saving it (a bias added
-functionally; a weight applied to a tensor that needs no gradient), whose
-gradient may come earlier than counted.
+backward meets first most gradients do not exist yet; counted all at once they
+made the estimate far exceed what a plan at the same cap measured
+(benchmarks/measured.md, "Models nobody here wrote"). So, where the estimate
+with every gradient passes the cap, each gradient is counted from the first
+region backward meets among those that use it: the last entry of the innermost
+candidate holding every owner of the parameter (a tied weight has two), or of
+a region that saved it, if later. A parameter owned or saved outside every
+region counts throughout, and past the last region every gradient does. Not
+seen: a parameter another region's op uses without saving it (a bias added
+functionally), whose gradient may come earlier than counted.
 """
 
 from __future__ import annotations

@@ -1,51 +1,32 @@
 """What a cap on CPU learns from the allocator's own record of a step.
 
 NOTE [what the count misses]: on CPU the cap counts tensor storages (NOTE [the
-cap's count]); what a kernel allocates for itself (oneDNN's convolutions) is
-no tensor, and the count misses it. CUDA's counters are read at every step for
-free; on CPU the allocator's one record is torch's profiler
-(`forget.memory.AllocatorRecord`), which costs time, so only some steps are
-read (``read_allocator``): by default the first capped step, each larger than
-any read before, the next of a size whose read passed the cap, and, where
-regions may go in part, the second capped step of shapes none of these read
-(NOTE [partial evictions]: its next step goes in part with what it read). A read
-step's record runs from its forward to the end of its backward, with marks at
-the forward's end, at each region's first backward node and at backward's
-end. Each span's peak, less the model's own figure for it (the forward's
-estimate; each region's term in backward; the term of the region backward
-meets first, for the span before it), is what the count missed there: per
-region it is added to that region's term, so that a kernel's buffers weigh
-where they arise (one reserve for the whole step refused steps the plan fits);
-outside the regions, to every figure. Each is learned per input size: a step
-takes the largest excess read at or above its size, or, larger than any read,
-the largest size's excess scaled by the sizes' ratio; the scaled part is soft,
-making the step evict but never refusing it (that step is read anyway).
+cap's count]); what a kernel allocates for itself (oneDNN's convolutions) is no
+tensor, and the count misses it. CUDA's counters are free at every step; on CPU
+the allocator's one record is torch's profiler (`forget.memory.AllocatorRecord`),
+which costs time, so only some steps are read: the first capped step, each
+larger than any read before, the next of a size whose read passed the cap, and
+the second capped step of shapes that may go in part (NOTE [partial at shapes
+seen]). Each span's peak, between marks at the forward's end, each region's
+first backward node and backward's end, less the model's figure for it, is what
+the count missed: added per region to that region's term, so a kernel's buffers
+weigh where they arise, and outside regions to every figure; learned per input
+size, scaled (softly: it evicts, never refuses) above the largest read. The
+record stops on its thread, outside autograd's engine, at the next forward,
+optimizer step, report read or probe; where the user's profiler runs already,
+the step is not read. Figures: benchmarks/measured.md, "What the count misses".
 
-The record stops on its thread, outside autograd's engine (which puts the
-profiler's state back after each hook and callback): at the model's next
-forward, the next optimizer step (a hook on every optimizer's step), a read of
-the handle's reports, `Cap.remove`, or forget's next allocator probe. Until
-then torch's profiler is busy on that thread; where one runs already (yours),
-the step is not read. The first step of a cap, nothing read yet, may pass the
-cap by its kernels' buffers, as a CUDA cap's first step may. Figures:
-benchmarks/measured.md, "What the count misses".
-
-NOTE [forward reaches]: a read step also marks each boundary of its forward
-(after its evictions) and notes the count there (``now`` and the outputs alive
-that no region holds). The allocator's peak from that mark to the next, less
-that count, is how far the forward reached past the boundary: the next region's
-activations, its temporaries and what the count misses, at once. A later capped
-step of the same shapes (its key, NOTE [steps of known shapes]), its regions so
-far run in the same order, reserves that at that boundary instead of the
-latest region's bytes and the largest storage, a reserve made for a step that
-knows nothing, which at known shapes kept a layer too few (GPT-2 and BERT at
-50 % of their plain peak: all four layers evicted where three hold). The reach
-is the allocator's own figure at those very shapes; sizes are never scaled
-from it. Like a repeated decision, it takes the same shapes to run the same
-regions: a model that skips layers at random (LayerDrop) wants
-``repeat_known_shapes=False``, which learns no reach. CUDA steps read no
-record and keep the reserve. Figures:
-benchmarks/measured.md, "Forward reaches".
+NOTE [forward reaches]: a read step also marks each boundary of its forward and
+notes the count there; the allocator's peak from that mark to the next, less
+that count, is how far the forward reached past the boundary (the next region's
+activations, temporaries and what the count misses, at once). A later capped
+step of the same key (NOTE [steps of known shapes]), its regions so far run in
+the same order, reserves that reach instead of the reserve made for a step that
+knows nothing, which kept a layer too few (benchmarks/measured.md, "Forward
+reaches"). The reach is the allocator's own figure at those very shapes, never
+scaled. It takes the same shapes to run the same regions, so a model that skips
+layers at random (LayerDrop) wants ``repeat_known_shapes=False``, which learns
+no reach. CUDA steps read no record and keep the reserve.
 """
 
 from __future__ import annotations

@@ -41,22 +41,18 @@ def partial_policy(partial: str | Policy | None) -> Policy | None:
 def with_finer(model: nn.Module, names: list[str]) -> list[str]:
     """``names`` and, inside each one-of-a-kind region, its children (NOTE [finer regions]).
 
-    NOTE [finer regions]: a repeated block holds a share of the step that falls
-    as the stack grows; a stem or a head is one of a kind and may hold as much
-    as many blocks (a CNN's stem runs at the input's resolution). Evicted whole,
-    its re-run in backward rebuilds all of it at once, beside two of its largest
-    gradients and every parameter's gradient (a stem meets backward last), more
-    than a tight cap leaves. So a default candidate with no candidate inside it,
-    whose type no other candidate has, gets its children (two or more) as
-    regions inside it: the runtime evicts them first, each re-run then holds one
-    child's activations, and the region itself, evicted only after them, still
-    frees the tensors between the children. The price is paid only when the cap
-    needs it: the region evicted, it and then each child re-run once in
-    backward. The choice is made when the cap is made, from the module tree
-    alone, so the first step, with nothing learned, has the finer regions too.
-    Repeated blocks stay whole: regions inside each would multiply the regions,
-    and their overhead, by the children per block, and a block evicted after
-    its children re-runs twice. Figures: benchmarks/measured.md ("forget.cap").
+    NOTE [finer regions]: a repeated block holds a share of the step that falls as
+    the stack grows; a stem or a head is one of a kind and may hold as much as many
+    blocks. Evicted whole, its re-run rebuilds all of it at once, beside its largest
+    gradients and every parameter's gradient (a stem meets backward last), more than
+    a tight cap leaves. So a default candidate with no candidate inside, whose type
+    no other candidate has, gets its children (two or more) as regions inside it:
+    they are evicted first, each re-run holds one child's activations, and the
+    region, evicted after them, still frees the tensors between them. The price is
+    paid only when the cap evicts. The choice is made from the module tree when the
+    cap is made, so the first step has it too. Repeated blocks stay whole: regions
+    inside each would multiply the regions' overhead, and a block evicted after its
+    children re-runs twice. Figures: benchmarks/measured.md, "forget.cap".
     """
     leaves = set(leaf_names(names))
     kinds = [type(model.get_submodule(name)) for name in names]

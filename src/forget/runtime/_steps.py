@@ -2,70 +2,38 @@
 
 NOTE [the cap's count]: a cap bounds what a training step allocates beyond what
 was allocated when it began, the figure `forget.measure` reports and a plan's
-budget bounds: the activations, the gradients the step makes and backward's
-working memory (parameters and optimizer state are there before the step, so a
-``"free"`` cap on CUDA, the device's free memory, leaves room for them). At each
-region boundary of the forward (a candidate region returns; the model returns)
-the runtime counts ``now``, the bytes the step holds:
+budget bounds (parameters and optimizer state are there before, so a ``"free"``
+cap leaves room for them). At each region boundary of the forward the runtime
+counts ``now``, the bytes the step holds: on CUDA ``memory_allocated`` less its
+value at the step's start; on CPU, with no such counter, a running count of
+storages, each once: those in the regions' droppable slots (NOTE [droppable
+regions]), those the regions keep, and those autograd saves outside the regions
+in the model's forward; never parameters, buffers or the step's inputs. The
+estimate adds what the next region may add (the latest region's held bytes,
+learned per candidate, or at shapes a record read what the forward reached
+there: NOTE [forward reaches]), the largest storage once more, the largest
+region output, and on CPU the outputs alive that no region holds yet; at the
+forward's end it is backward's modelled peak (NOTE [backward in the cap]). While
+the estimate passes the cap, regions are evicted (NOTE [eviction order], in
+`._orders`); with none left, the step stops with a `ForgetError` naming the
+estimate, the model's buffers put back.
 
-* on CUDA, ``torch.cuda.memory_allocated`` less its value at the step's start;
-* on CPU, which has no such counter, a running count of storages: those held in
-  the regions' droppable slots (NOTE [droppable regions]), those the regions
-  keep (their inputs, made outside every region) and those autograd saves
-  outside the regions in the model's own forward (a hook on the model's
-  forward sees them), each storage once; never parameters, buffers or the
-  step's inputs, which were there before it.
-
-Inside the forward, the estimate is ``now``, plus on CPU the regions' outputs
-alive that no region holds yet (the activation the next region takes; left
-out, a first step passed its cap, benchmarks/measured.md), plus what the next
-region may add:
-the held bytes of the latest region with none inside, or of the next few as
-the last step ran them (learned per candidate, scaled by the input's elements),
-plus the largest storage once more (made, not yet saved) and the largest
-region output (the next one's, held by no region until it is saved; left out,
-a first step passed its cap by it, benchmarks/measured.md, "Partial
-evictions"); at shapes a record read, what the forward reached there instead
-(NOTE [forward reaches]). At the forward's end
-it is backward's peak, modelled region by region in backward's order: backward
-holds, at a region with none inside, what the regions up to it hold and keep (an
-evicted one counted while backward is inside it: rebuilt, with what the evicted
-regions around it rebuilt and backward has not yet let go), two gradients of its
-largest tensor or output (of an op's output and input at once), and throughout
-what no region holds, the gradients of the parameters that had none (all of them,
-or, where that passes the cap, those made by then: NOTE [gradients as they
-come]), and the model's output once more (a loss outside the model saves about that much; not
-where the output holds a scalar that requires grad: the model computed its loss,
-and the hook on its forward counted what that loss saved, benchmarks/measured.md).
-
-A storage goes once backward is through the first region (in the forward's
-order) that holds or keeps it, with one exception: the slots in which a region
-holds the inputs of the regions inside it (NOTE [nesting]) are kept by those
-inner regions, so such a storage goes with the first of them, not with the
-outer region, which the forward entered before them (counted only where every
-slot of the outer region that holds it is such an input: an op of its own may
-save it too). A re-run reads its inputs; it does not make them again, so an
-evicted region's rebuilt bytes leave out the inputs it holds. Counting both
-with the outer region, as an earlier model did, added a ResNet stem's output
-(and with finer regions, NOTE [finer regions], its pooling's input) to every
-region's term in backward; the figures are in benchmarks/measured.md.
-
-The model is conservative (the tests and benchmarks/measured.md give the
-measured peaks against it); on CUDA the allocator's peak above a step's
-estimate is added to the next steps' reserve, which so learns what the model
-missed. It is read as the step's backward ends (a hook on the model's output
-queues it on autograd's engine), not at the next step's start: an optimizer's
-state made between (Adam's, on the first step) is not the step's. A step
-whose backward never comes is read at the next step's start. On CPU some steps
-read the allocator's own record instead (NOTE [what the count misses]).
-
-While the estimate passes the cap, regions are evicted (NOTE [eviction order]);
-when no region is left to evict, the cap cannot hold and the step stops with a
-`ForgetError` naming the estimate, after the model's buffers are put back as
-they were when the step began (a copy taken then, counted in ``now``).
-
-NOTE [eviction order] and NOTE [partial evictions], which say which region
-goes, are in `._orders`.
+NOTE [backward in the cap]: backward is modelled region by region in its order:
+at a region with none inside it holds what the regions up to it hold and keep
+(an evicted one while backward is inside it, rebuilt, beside what the evicted
+regions around it rebuilt), two gradients of its largest tensor, and throughout
+what no region holds, the parameters' gradients (NOTE [gradients as they come])
+and the model's output once more (not where the model computed its own loss,
+which the hook on its forward counted). A storage goes once backward is through
+the first region that holds or keeps it, except the slots in which a region
+holds its inner regions' inputs (NOTE [nesting]): those go with the first inner
+region, and a re-run reads its inputs, so an evicted region's rebuilt bytes
+leave them out (counting them with the outer region added a stem's output to
+every term). The model is conservative; on CUDA the allocator's peak above a
+step's estimate, read as its backward ends (not after the optimizer's step,
+whose state is not the step's), joins the next steps' reserve. On CPU some steps
+read the allocator's record instead (NOTE [what the count misses]). Figures:
+benchmarks/measured.md, "forget.cap".
 """
 
 from __future__ import annotations

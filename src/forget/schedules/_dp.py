@@ -14,32 +14,28 @@ option allows it (NOTE [options in regions] in `._chain`). The top level
 differs otherwise only in that ``x_L`` and ``δ_L`` are not alive before the
 forward reaches them.
 
-NOTE [options at the top level]: an option that is a policy region keeps the
-policy's outputs from its forward until its backward. Inside a forgotten
-region the stage's first forward must keep nothing (``F_n``) and only the
-region's re-run may keep (``F_all``); a policy region run there keeps its
-outputs from the first forward on, which the model cannot see (measured on
-the reference CNN: a least-memory schedule with options inside regions peaked
-at 15.7 MB against the 12.8 MB predicted). So inside a region a stage is kept
-whole or under an option with ``in_regions`` (``regenerate``, which keeps
-nothing in the first forward), and `Schedule` rejects any other option there.
-
-Memory is discretized into units of ``unit_bytes`` and every size is rounded
-*up* to whole units, so a schedule that fits the discretized budget fits the
-real one. The price: a schedule whose exact peak fits but whose rounded peak
-does not is missed, so the result can be slower than the exact optimum by
-what one unit of memory per buffer buys (with ~1000 units per store-all
-peak, usually nothing or a fraction of a percent). The minimum feasible
-budget is computed by a second, exact program on integer bytes, and its
-schedule is always a candidate, so every budget at or above that minimum is
+Memory is discretized into units of ``unit_bytes``, every size rounded *up*, so
+a schedule that fits the discretized budget fits the real one; one whose exact
+peak fits but rounded peak does not is missed, at most what one unit per buffer
+buys. The minimum feasible budget comes from a second, exact program on integer
+bytes, and its schedule is always a candidate, so every budget at or above it is
 served. Cost: ``O(L^3 M)`` time and ``O(L^2 M)`` memory for ``L`` stages and
-``M`` units, vectorized over the memory axis and the split point with numpy.
-The rows are stored in a frame where every read is a slice (NOTE [gradient
-frame] in `_Tables`), and only the optimal times are tabulated, not the
-choices, which is about three times faster than a gather per split point and
-an ``argmin`` per entry (benchmarks/measured.md). The frame widens a row by
-the largest activation plus history and by the chain's parameter gradients,
-each at most the store-all peak.
+``M`` units, vectorized with numpy over the memory axis and the split point. The
+rows are stored in a frame where every read is a slice (NOTE [gradient frame] in
+`_Tables`), and only optimal times are tabulated, not choices, which beats a
+gather per split point and an ``argmin`` per entry (benchmarks/measured.md,
+"Planner"). The frame widens a row by the largest activation plus history and by
+the chain's parameter gradients, each at most the store-all peak.
+
+NOTE [options at the top level]: an option that is a policy region keeps the
+policy's outputs from its forward until its backward. Inside a forgotten region
+the stage's first forward must keep nothing (``F_n``) and only the region's
+re-run may keep (``F_all``); a policy region run there keeps its outputs from
+the first forward on, which the model cannot see, so the real peak exceeds the
+predicted one (benchmarks/measured.md, "Single measurements behind the NOTEs").
+So inside a region a stage is kept whole or under an option with ``in_regions``
+(``regenerate``, which keeps nothing in the first forward), and `Schedule`
+rejects any other option there.
 """
 
 from __future__ import annotations

@@ -7,49 +7,33 @@ with the choices it may take; `tree_figures` predicts what an assignment of
 choices costs, and `solve_tree` (in `._tree_solve`) finds the fastest that fits
 a budget.
 
-NOTE [tree cost model]: a node ``v`` runs its own ops and its children, in
-order, in its forward; its backward meets them in reverse. A choice for ``v``
-is judged by three figures, bytes counted above what was allocated just before
-``v``'s forward: ``held(v)``, kept from the end of its forward until its
-backward; ``peak(v)``, the most allocated at any time of its backward (at least
-``held(v)``, which the backward starts from); ``extra(v)``, the seconds it adds
-to a plain step. With ``a`` its `TreeNode.own_bytes` (saved by its own ops, not
-inside a child) and ``c_1 .. c_k`` its children:
+NOTE [tree cost model]: a node ``v`` runs its own ops and its children in order
+in its forward; its backward meets them in reverse. A choice for ``v`` is judged
+by three figures, bytes above what was allocated just before ``v``'s forward:
+``held`` (kept from its forward's end to its backward), ``peak`` (the most during
+its backward, at least ``held``) and ``extra`` (seconds added to a plain step).
+With ``a``, ``w``, ``t``, ``in`` its `TreeNode` own, work, tail and input bytes
+and ``c_1 .. c_k`` its children:
 
-* ``"keep"``: ``held = a + Σ held(c_i)``. The backward of the node's own ops
-  after its last child (its tail: a language model's loss) runs first, with
-  every child held, and allocates ``w`` (`TreeNode.work_bytes`: gradients and
-  temporaries beyond the saved bytes); it frees the ``t`` bytes those ops saved
-  (`TreeNode.tail_bytes`). While ``c_i``'s backward runs, the rest of ``a`` and
-  every child before ``c_i`` are still held, so
-  ``peak = max(a + Σ_i held(c_i) + w, a - t + max_i (Σ_{j<i} held(c_j) + peak(c_i)))``
-  (``a + w`` without children), and ``extra = Σ extra(c_i)``. The work of
-  the own ops between children is counted in the child's backward that runs
-  just before it (NOTE [backward work] in `forget.planning._tree.profile`).
-* ``"forget"``: the forward keeps only the node's inputs, ``held = in``
-  (`TreeNode.input_bytes`); the backward re-runs the subtree's forward, the
-  children taking their own choices, then runs as ``"keep"`` would, on top of
-  the inputs: ``peak = in + [the keep peak]``. ``extra = forward_s +
-  Σ extra(c_i)``: the subtree runs once more, and a forgotten child runs yet
-  once more inside that re-run, which its own ``extra`` counts.
-* a leaf option (`TreeOption`: a policy keep, regenerate, offload): ``held``,
-  ``peak`` and ``extra`` as measured, every node below it kept, no region in it.
+* ``"keep"``: ``held = a + Σ held(c_i)``; the tail's backward runs first with
+  every child held, then each child's with the children before it still held:
+  ``peak = max(a + Σ_i held(c_i) + w, a - t + max_i (Σ_{j<i} held(c_j) + peak(c_i)))``,
+  ``extra = Σ extra(c_i)`` (own work between children: NOTE [backward work]).
+* ``"forget"``: ``held = in``, ``peak = in + [the keep peak]``, ``extra =
+  forward_s + Σ extra(c_i)``: the subtree runs once more.
+* a leaf option (`TreeOption`): figures as measured, every node below kept.
 
-The step peaks at ``base_bytes + peak(root)`` (`Tree.base_bytes`: parameters,
-gradients, optimizer state, inputs, loss), and at no less than ``floor_bytes``
-(`Tree.floor_bytes`): what the step holds at some moment whatever the plan,
-every parameter's gradient at backward's end. ``base_bytes`` is taken at the
-plain step's peak, where backward starts; a model whose gradients outweigh its
-activations peaks at backward's end instead, and without the floor the model
-predicted less than the gradients alone for forgetting every layer (a timm
-ViT-Tiny: 13,020,872 B named the least, with 22,731,424 B of gradients;
-benchmarks/measured.md, "Models nobody here wrote"). Two things the model assumes: a
-forgotten region's first forward holds only its inputs, whatever the nodes in
-it choose, so an option that would hold bytes there (a policy keep, as NOTE
-[options at the top level] in `._dp` measured) is offered outside regions only
-(``in_regions=False``); and a forward's transient bytes stay below the
-backward's peaks, which the chain model (`._schedule`) counts and this one does
-not.
+The step peaks at ``base_bytes + peak(root)`` (what the plain step holds where
+backward starts), and never below ``floor_bytes``, every parameter's gradient at
+backward's end: a model whose gradients outweigh its activations peaks there
+(benchmarks/measured.md, "Models nobody here wrote").
+
+NOTE [tree model assumptions]: a forgotten region's first forward holds only its
+inputs, whatever its nodes choose, so an option that would hold bytes there (a
+policy keep: NOTE [options at the top level] in `._dp`) is offered outside
+regions only (``in_regions=False``); and a forward's transient bytes stay below
+the backward's peaks, which the chain model (`._schedule`) counts and this one
+does not.
 """
 
 from __future__ import annotations
@@ -85,7 +69,7 @@ class TreeOption:
         in_regions: the option may run inside a forgotten region: its forward
             there holds nothing (regenerate, offload). ``False`` (top level
             only) by default, as for `StageOption`: a policy keep holds its
-            outputs even in a region's first forward (NOTE [tree cost model]).
+            outputs even in a region's first forward (NOTE [tree model assumptions]).
 
     Raises:
         TypeError: a field of the wrong type, an empty name.

@@ -5,35 +5,21 @@ peak, in the model of NOTE [tree cost model] (`._tree`), fits a budget;
 `tree_frontier` gives the whole trade-off from the same cached solve.
 
 NOTE [tree Pareto solver]: every formula of NOTE [tree cost model] is
-non-decreasing in each child's three figures, so an assignment of a subtree
-that another beats or ties on held, peak and extra at once can be dropped:
-whatever its ancestors choose, the other does at least as well. The solver
-keeps, per node, that Pareto set of (held, peak, extra) over its subtree's
-assignments, bottom-up. The children combine left to right through the state (held so far, peak so
-far, extra so far): child figures ``(h, p, e)`` take ``(H, P, E)`` to
-``(H + h, max(P, H + p), E + e)``, non-decreasing too, so the states are pruned
-the same way after each child, and the result is exact. A node keeps two sets:
-for the top level, and for inside a forgotten region (in-region options only);
-they are one list when its subtree has no top-level-only option. Each state
-links the state before it and the child's entry, so the assignment is rebuilt
-from the chosen root entry by walking the links.
-
-Size: a set holds at most one entry per (held, peak) pair, and the root's
-(peak, extra) frontier one per peak. With ``unit_bytes`` = ``u``, the byte
-figures of the nodes and options are rounded *up* to whole units for pruning,
-so a set whose figures stay below ``K`` units holds at most ``(K + 1)**2``
-entries. The exact figures ride along, and a plan is judged by its exact peak,
-so a plan returned always fits, whichever way the units round. The root's peak
-sums at most ``2N + 1`` rounded terms for ``N`` nodes (a node's ``in`` and
-``a`` or ``a - t``, or an option's figure, and one node's ``w``), each rounded
-up by at most ``u - 1`` bytes, so the plan for budget ``B`` is at least as
-fast as the exact optimum for ``B - (2N + 1)(u - 1)``, and the least feasible
-budget reported exceeds the exact least by at most ``(2N + 1)(u - 1)``.
-With ``u = 1`` (the default) all is exact. Exact sets stay small for models of
-repeated layers (equal layers give equal sums), but can grow exponentially
-with the node count when every figure differs; a coarser unit bounds them. A
-prune sorts, then keeps a staircase of (peak, extra): ``O(n log n)``, plus a
-list insertion per entry kept.
+non-decreasing in each child's figures, so a subtree's assignment that another
+beats or ties on held, peak and extra at once can be dropped, whatever its
+ancestors choose. Bottom-up, each node keeps that Pareto set; children combine
+left to right through a state, child ``(h, p, e)`` taking ``(H, P, E)`` to
+``(H + h, max(P, H + p), E + e)``, pruned the same way, so the result is exact.
+A node keeps two sets, for the top level and inside a region (in-region options
+only), one list when they agree; states link back, so the assignment is rebuilt
+by walking the links. Byte figures are rounded up to units ``u`` for pruning
+only; the exact figures ride along and judge the plan, so it always fits. The
+root's peak sums at most ``2N + 1`` rounded terms for ``N`` nodes, so the plan
+for ``B`` is at least as fast as the exact optimum for ``B - (2N + 1)(u - 1)``
+and the least budget reported exceeds the exact least by at most that. ``u = 1``
+(the default) is exact; sets stay small for repeated layers but can grow
+exponentially when every figure differs, which a coarser unit bounds. A prune
+sorts and keeps a staircase of (peak, extra): ``O(n log n)``.
 """
 
 from __future__ import annotations

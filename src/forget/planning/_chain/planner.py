@@ -5,22 +5,18 @@
 pure planners of `forget.schedules`, and returns a `Plan` whose measured peak fits
 the budget.
 
-NOTE [measured, not predicted]: the planners' memory model covers the chain's
-activations, histories, gradients and its blocks' parameter gradients (which
-grow as backward proceeds, NOTE [parameter gradients]); a real step also
-holds what lies outside it: the stem and head of a model and their
-parameter gradients, the loss, allocator-visible temporaries the model does
-not know about. So `plan` never trusts a prediction. It applies every
-candidate schedule and measures the training step with the exact ledger,
-which repeats to the byte on the same inputs. The smallest feasible budget is
-the measured peak of the least-memory schedule; above it, a bisection over
-the budget handed to the planner collects schedules whose measured peak is
-within the budget, and with them the baselines that fit (forgetting every
-block, uniform segments); these are timed side by side and the fastest
-measured wins (NOTE [consistently faster] in `Planner._fastest`), so a
-plan is never slower than a fitting uniform segmentation, up to timing
-noise. A returned plan has ``measured_peak_bytes <= budget_bytes`` by
-construction, for the inputs it was planned with.
+NOTE [measured, not predicted]: the chain model covers activations, histories,
+gradients and the blocks' parameter gradients (NOTE [parameter gradients]); a
+real step also holds what lies outside it (stem, head, loss, temporaries). So
+`plan` never trusts a prediction: it applies every candidate schedule and
+measures the step with the exact ledger, which repeats to the byte. The least
+feasible budget is the measured peak of the least-memory schedule; above it, a
+bisection over the budget handed to the planner collects schedules measured
+within the budget, with the baselines that fit (every block forgotten, uniform
+segments); these are timed side by side and the fastest measured wins (NOTE
+[consistently faster]), so a plan is never slower than a fitting uniform
+segmentation, up to noise, and has ``measured_peak_bytes <= budget_bytes`` for
+the inputs it was planned with.
 
 NOTE [chain planning within the budget]: as for module trees (NOTE [planning
 within the budget] in `._tree.planner`), the plain step never runs and every
@@ -34,20 +30,15 @@ plain peak is then predicted: the chain model's, plus that. A budget at or
 above it measures the plain step, guarded; a stopped schedule is a miss.
 
 NOTE [the last segment]: a top-level region that ends the chain is re-run as
-soon as backward starts, so its activations are back at the very moment they
-would have been kept until: forgetting it buys no memory at the peak and
-costs its re-run (`torch.utils.checkpoint.checkpoint_sequential` runs its last
-segment plainly for this reason). A candidate that ends in one (the Rotor
-program may, at its least memory; forgetting every block does) is replaced by
-the same schedule with that region's items run at the top level, when that
-one's measured peak fits as well: less work at a peak within the budget,
-which timing noise must not get to choose against. The same holds for a last
-stage run under an option: the parts it re-runs come back as backward starts.
-And with options, "every stage under this option, the last kept" is a
-baseline beside the uniform segmentations: the profile times an option on its
-stage alone, where the memory it spares the rest of the step (allocations and
-page faults of a step holding less) does not show; measured in the full step,
-the choice is made on what it costs there.
+soon as backward starts, so forgetting it buys no memory at the peak and costs
+its re-run (``checkpoint_sequential`` runs its last segment plainly for this
+reason). A candidate ending in one (Rotor's least-memory schedule may; every
+block forgotten does) is replaced by the same schedule with that region run at
+the top level when its measured peak fits as well: less work within the
+budget, which timing noise must not choose against. The same holds for a last
+stage under an option. And with options, "every stage under this option, the
+last kept" is a baseline: the profile times an option on its stage alone, where
+what it spares the rest of the step does not show, so the full step decides.
 
 NOTE [monotone in the budget]: one `Planner` planning several budgets
 remembers every schedule it proposed, and a budget's candidates include each

@@ -10,21 +10,17 @@ the same layout and whose byte figures are all equal are given the medians of
 their times (forward, forward without grad, backward, each option's re-run).
 Plain callables, which carry no such description, keep their own.
 
-NOTE [time of a region]: the planners' time model (Rotor's) charges a
-forgotten stage one extra forward without grad. forget's region does
-more than that: its forward runs with grad under saved-tensor hooks and a
-dispatch mode, the recomputation runs under them again, and every region has
-a fixed cost (its setup, RNG state, hooks). On small blocks these dwarf the
-forward itself, and a plan built on forward times alone forgets many small
-regions where fewer, longer ones are faster. So the profile measures what
-forgetting costs: per stage, a one-stage region's full step (forward and
-backward) minus the plain step's, timed alternately; and once per chain, how
-much less two neighbouring blocks cost forgotten as one region than as two,
-the median over up to four pairs spread over the chain, which is the fixed
-cost per region (``Chain.region_overhead_s``; a region
-around one tiny op stands in for a one-block chain). A stage's
-``forward_nograd_s`` is its difference minus that fixed cost, so a one-stage
-region costs in the model what it measured.
+NOTE [time of a region]: Rotor's time model charges a forgotten stage one extra
+forward without grad. A forget region costs more: its forward runs with grad
+under hooks (and a dispatch mode), its re-run again, and every region has a
+fixed cost (setup, RNG state, hooks). On small blocks these dwarf the forward,
+and a plan on forward times alone forgets many small regions where fewer,
+longer ones are faster. So the profile measures what forgetting costs: per
+stage, a one-stage region's full step minus the plain step's, timed
+alternately; per chain, how much less two neighbouring blocks cost as one
+region than as two (median over up to four pairs), the fixed cost per region
+(``Chain.region_overhead_s``). A stage's ``forward_nograd_s`` is its difference
+minus that cost, so a one-stage region costs in the model what it measured.
 """
 
 from __future__ import annotations

@@ -230,17 +230,15 @@ def forward_times(
 ) -> dict[str, float]:
     """Each candidate's forward seconds, from whole forwards of the model without grad.
 
-    NOTE [forwards timed whole]: a candidate's time is what its forward takes
-    within ``repeats`` forwards of the model without grad (a hook before and
-    after its call; `_clock.spans`), the median over them and over the modules
-    alike to it (NOTE [alike stages]). Timing each kind of module alone, on
-    inputs captured for it, ran a forward of every level of the tree once per
-    repeat: a fifth of a ResNet's planning, and its 20 kinds of module with
-    candidates inside needed a capture each for nothing else
-    (benchmarks/measured.md). A forward without grad holds no activation, no
-    more than the guarded one `profile_tree` runs before; it is 3 to 10 %
-    faster than one with grad on the models of benchmarks/tree_targets.py, the
-    same for every candidate, which only orders them.
+    NOTE [forwards timed whole]: a candidate's time is what its call takes within
+    ``repeats`` forwards of the model without grad (a hook before and after it;
+    `_clock.spans`), the median over them and over the modules alike to it (NOTE
+    [alike stages]). Timing each kind of module alone, on inputs captured for it,
+    ran a forward of every level of the tree once per repeat and needed a capture
+    per kind for nothing else, a large share of planning (benchmarks/measured.md,
+    "Fewer steps in planning"). A forward without grad holds no activation, no more
+    than the guarded one `profile_tree` runs before; it is a little faster than one
+    with grad, alike for every candidate, so it still orders them.
     """
     model = step.model
     modules = {name: model.get_submodule(name) for name in names}

@@ -1,33 +1,24 @@
 """Which submodules of a model may become forgotten regions, and the model's structure.
 
-NOTE [tree candidates]: any submodule may be a region, but a tree of every
-module (each Linear, each norm) gives the solver thousands of nodes whose
-regions cost more in fixed overhead than they free. By default the
-candidates are the repeated blocks and the subtrees above them: the children
-of an ``nn.ModuleList`` or ``nn.Sequential`` that have submodules and share
-their type with a sibling, or, in a ModuleList inside no such block, with a
-child of another such ModuleList (decoder layers, encoder layers, a ResNet
-stage's blocks, the stages themselves; a UNet's down blocks, one residual
-block each, whose type the up blocks repeat; not a T5 block's sublayers),
-the stack itself where it runs (an
-``nn.Sequential``), every module above a stack short of the model itself
-(the stack's owner, an encoder, the base model), and the children with
-parameters of those modules and of the model: the stems and heads beside the
-stacks (embeddings, a ResNet's stem, a classifier), which can hold as much as
-a layer. Regions nest along the module tree, so "the whole encoder
-forgotten, with a region per layer inside" is one assignment of choices.
-``candidates=`` replaces the default with the modules whose dotted name
-matches a pattern (`fnmatch`: ``*`` crosses dots, so ``"*.layers.*"`` is
-every module below a ``layers``) or that are instances of a type; it may
-name any submodule, repeated or not.
-
 A candidate must run exactly once per step: a region wraps the module's
 forward, so a module called twice (a shared block) would be two regions, which
-the cost model does not describe; one never called (an ``nn.ModuleList``)
-holds nothing. Such modules are dropped; a ``candidates=`` that matches no
-other raises. The model itself is never a candidate: forgotten, it would be
-re-run as soon as backward starts, its activations back at the moment they
-would have been kept until (NOTE [the last segment]).
+the cost model does not describe, and one never called holds nothing. Such
+modules are dropped; a ``candidates=`` that matches no other raises. The model
+itself is never a candidate: forgotten, it would re-run as soon as backward
+starts (NOTE [the last segment]).
+
+NOTE [tree candidates]: any submodule may be a region, but a tree of every
+module gives the solver thousands of nodes whose regions cost more in fixed
+overhead than they free. By default the candidates are the repeated blocks and
+what lies above them: children of an ``nn.ModuleList`` or ``nn.Sequential``
+that have submodules and share their type with a sibling (or, in a ModuleList
+inside no such block, with a child of another such ModuleList: a UNet's down
+blocks, which the up blocks repeat), the stack itself where it runs, every
+module above a stack short of the model, and the children with parameters of
+those modules and of the model (stems and heads, which can hold as much as a
+layer). Regions nest along the tree, so "the encoder forgotten, a region per
+layer inside" is one assignment. ``candidates=`` replaces the default with
+modules matching `fnmatch` patterns (``*`` crosses dots) or types.
 """
 
 from __future__ import annotations

@@ -6,99 +6,58 @@ candidate modules (NOTE [tree candidates]) are profiled into a
 (`forget.schedules.tree_frontier`) gives, for every budget the cost model
 accepts, the assignment with the least extra time.
 
-NOTE [tree plans measured]: as for chains (NOTE [measured, not predicted] in
-`._chain.planner`), no prediction is trusted. A plan is judged by the allocator's
-peak of the real step: on CPU the allocator's own events
-(``forget.measure(..., probe="profiler")``), on CUDA
-``torch.cuda.max_memory_allocated``; not by the tensor-storage ledger, which
-does not see kernel workspaces (a BatchNorm conv step reads less on the ledger
-than the allocator hands out). Every assignment tried is applied and its step
-measured once (under the guard: NOTE [planning within the budget]), and the
-planner remembers them all. Per budget, a search along the frontier from the
-point the model predicts to fit (a step up after a fit, down after a miss,
-doubling, and down at least to the last point predicted to fit were it
-mispredicted as the missing one was, or, where none would fit so and none has
-fit yet, to the least (NOTE [least on demand]); then halving once both sides
-are known, until a fitting and a missing point are predicted within 1/128 of
-the plain peak of each other: the ResNet of benchmarks/tree_targets.py has
-134 frontier points a median 0.3 % of its peak apart, and a finer step there
-trades under 0.8 % of the peak for a measured step each). Every assignment
-measured so far whose peak fits the budget is a candidate, those of earlier
-budgets included (NOTE [monotone in the budget]), except one whose choices hold
-another fitting one's and more: it re-runs all that one re-runs and more, so
-it is not faster, and timing it would cost planning steps (where the plain
-step fits, it is the only candidate). Those predicted to add at most `_CLOSE`
-(1.25) times the least predicted extra time, `_MAX_TIMED` (3) at most, are
-timed side by side, and the fastest measured wins (`fastest_of`: the predicted
-fastest unless another is consistently faster). The cost model's extra times
-rank well enough to leave the others untimed: on the 4-layer Llama of
-benchmarks/tree_targets.py, four fitting assignments were predicted to add
-4.6, 21.4, 32.8 and 44.8 ms to a step of about 126 ms, and their steps
-measured 130.0, 146.8, 153.9 and 162.7 ms (medians of seven interleaved
-rounds), in the same order. Timing all of them was half of that model's
-planning time; over 24 plans of those models, timing candidates within 1.5
-times the least kept the predicted fastest in 23 at up to 15 timed steps (half
-of planning's target), and the one displaced was predicted 1.39 times the
-least. The plan reports the chosen one's ledger peak too: on CPU the guard's
-ledger took it in the same step (NOTE [guarded steps]), on CUDA one more step
-measures it. A returned plan has ``measured_peak_bytes <= budget_bytes``, by
-the allocator, for the inputs it was planned with.
+NOTE [tree plans measured]: as for chains (NOTE [measured, not predicted]), no
+prediction is trusted. A plan is judged by the allocator's peak of the real step
+(the profiler's events on CPU, ``max_memory_allocated`` on CUDA), not by the
+ledger, which misses kernel workspaces. Every assignment tried is applied, its
+step measured once under the guard (NOTE [planning within the budget]), and
+remembered. Per budget, the search walks the frontier from the point predicted
+to fit (doubling steps up after a fit and down after a miss, then halving)
+until a fit and a miss are within 1/128 of the plain peak (NOTE [least on
+demand] where nothing fits). Every fitting assignment measured so far is a
+candidate (NOTE [monotone in the budget]), except one whose choices hold another
+fitting one's and more (it re-runs more, so it is not faster). Those predicted
+within `_CLOSE` of the least predicted extra time, `_MAX_TIMED` at most, are timed
+side by side (`fastest_of`): the cost model ranks well enough to leave the rest
+untimed (benchmarks/measured.md, "Single measurements behind the NOTEs"). The
+plan reports the chosen one's ledger peak too, and has ``measured_peak_bytes <=
+budget_bytes``, by the allocator, for the inputs it was planned with.
 
-NOTE [least on demand]: the least feasible budget is the lesser measured peak
-of two assignments: the frontier's least-memory point and the baseline that
-forgets every innermost candidate (every layer, as transformers' checkpointing
-does; eight points spread over the frontier besides found no lower peak on the
-four models of benchmarks/tree_targets.py, and cost six measured steps); the
-measured peak does not always fall along the frontier (the model does not
-see, for one, that forgetting the last layer lowers the peak at the loss's
-backward), so it is not the frontier's first. Both re-run the most of any
-assignment, and measuring them cost a third of planning at 75 % (3.4 and 2.9
-plain steps each on the Llama, 4.4 and 4.8 on the ResNet of
-benchmarks/tree_targets.py). So they are measured only where the least is
-wanted: where the search found no fit (the error names the least), or when
-asked (`TreePlanner.least`, the command line's ``--budgets min``). Then the
-search runs once more just below the least measured, up to `_MAX_BELOW`
-times while it finds a lower fit: on Llama of tests/_tree_models.py a plan
-at the least named fit, and one a byte below it fit too, the search for that
-budget having measured a point neither least point was. A plan made
-without them says so (``least_searched``): its ``min_feasible_bytes`` is
-then the least peak the search measured, a budget known to fit, not the
-least. `least` asked by the user measures under the planner's own
-``budget`` (or the predicted plain peak), not the last budget planned: under
-a budget below the least, both points are stopped, and the least known is
-only a budget measured to fit, which an error then says.
+NOTE [least on demand]: the least feasible budget is the lesser measured peak of
+two assignments: the frontier's least-memory point and the baseline forgetting
+every innermost candidate (every layer); the measured peak does not always
+follow the frontier (the model does not see that forgetting the last layer
+lowers the loss's backward). Both re-run the most of any assignment and are
+costly to measure (benchmarks/measured.md, "Fewer steps in planning"), so they
+are measured only where the least is wanted: where the search found no fit (the
+error names the least) or when asked (`TreePlanner.least`, ``--budgets min``);
+then the search runs once more just below it, up to `_MAX_BELOW` times while it
+finds a lower fit. A plan made without them says so (``least_searched``): its
+``min_feasible_bytes`` is then a budget known to fit, not the least. `least`
+asked by the user measures under the planner's own ``budget`` (or the predicted
+plain peak), not the last budget planned.
 
 NOTE [planning within the budget]: the user who needs a plan is the one whose
 plain step does not fit, so planning never runs the plain step and never holds
 more than the budget. The bytes come from a run on fake tensors (NOTE [tree
-figures]): nothing allocated. Times, workspaces and options' figures come from
-each kind of module alone, one at a time, on real inputs captured by a forward
-without grad that stops at that module (or at the last of a few whose inputs
-together are no larger than the largest module's, NOTE [captures together]):
-one module's work is live at once, beside at most those inputs. A percentage
-budget is of the predicted plain peak. Every step run on real tensors that is
-not timed runs under the guard (NOTE [guarded steps] in
-`._guard`), with the budget as its limit (`forget.plan` hands its budget to
-the profile too): a step the cost model predicted to fit that does not is
-stopped, a measured miss, and the search goes on below it. The timed steps
-(side by side, `_fastest`) are those measured to fit. Where every step tried
-is stopped, the least feasible budget is not measured: the error names the
-cost model's least peak, or the least bound a stopped step passed where that is
-higher. A guard sees an allocation only once it is made, so a stopped step
-passes the budget by the one allocation that stopped it, then frees it. The
-ledger's bytes are not the process's resident memory: glibc keeps freed heap
-pages, so planning runs with large blocks mapped for themselves (NOTE [freed
-heap] in `._heap`).
+figures]); times, workspaces and options' figures from each kind of module
+alone, on real inputs captured by a forward without grad that stops there (NOTE
+[captures together]), so one module's work is live at once. A percentage budget
+is of the predicted plain peak. Every untimed step on real tensors runs under
+the guard (NOTE [guarded steps]) with the budget as its limit: a step predicted
+to fit that does not is stopped, a measured miss, passing the budget by at most
+the one allocation that stopped it. Only steps measured to fit are timed. Where
+every step is stopped, the error names the cost model's least peak, or the
+least bound a stopped step passed where higher. Resident memory is not the
+ledger's bytes: NOTE [freed heap].
 
 NOTE [first and later steps]: a region's first call runs the exact path and
-later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
-not hold the same bytes: on a residual MLP whose blocks were kept in part
-(``"selective"``), the first step under the plan peaked at 2,371,144 B and
-every later one at 2,767,944 B, past the budget of 2,605,252 B the first had
-been measured to fit. So every assignment with a policy region is measured
-twice, the second step right after the first, and the larger peak counts (a
-forgotten region's two paths hold the same bytes: its fast path only skips the
-watching; regenerate runs no region).
+later calls the fast one (NOTE [fast path]), and with a policy the two need not
+hold the same bytes: a later step can peak past a budget the first was measured
+to fit (benchmarks/measured.md, "Single measurements behind the NOTEs"). So
+every assignment with a policy region is measured twice, the second step right
+after the first, and the larger peak counts (a forgotten region's two paths hold
+the same bytes: its fast path only skips the watching; regenerate runs no region).
 
 NOTE [default options]: a plan of whole modules forgets whole layers, and
 layers alike cost alike, so on a transformer every such plan is some k layers
@@ -106,14 +65,11 @@ forgotten, transformers' own ``every_n_layers`` or first-k choice at best.
 What pays is keeping part of a layer: its matmul and attention outputs
 (``"selective"``, re-running norms, activations and sums from them) or
 rebuilding its activations from what autograd keeps anyway (``"regenerate"``).
-So `DEFAULT_OPTIONS` offers both on the innermost candidates unless
-``options`` says otherwise. On the 4-layer transformers of
-benchmarks/tree_targets.py (benchmarks/measured.md) they brought a plan's
-overhead to 0.22-0.64 of the best layer baseline's at 75 % of the plain
-peak and 0.71-0.99 at 50 %, where whole modules alone gave that baseline
-itself (1.00); measuring them, once per kind of layer, adds half a second to
-a second to planning there. Offloading is no default:
-it runs on CUDA only, and no GPU has measured it in a plan yet.
+So `DEFAULT_OPTIONS` offers both on the innermost candidates unless ``options``
+says otherwise; they cut a plan's overhead well below the best layer
+baseline's, for a measurement per kind of layer (benchmarks/measured.md, "Tree
+plans against transformers' layer checkpointing"). Offloading is no default: it
+runs on CUDA only, and no GPU has measured it in a plan yet.
 """
 
 from __future__ import annotations

@@ -1,103 +1,58 @@
 """Profile a model's step into a `forget.schedules.Tree`: bytes per module, times per region.
 
-NOTE [tree figures]: the cost model (NOTE [tree cost model] in
-`forget.schedules`) asks of each candidate ``v`` its own bytes ``a`` (saved by
-its ops, not inside a candidate below it) and its inputs' bytes ``in`` (what a
-region around it holds). One forward and backward under the ledger
-(`forget.memory`), on fake tensors (torch's ``FakeTensorMode``: every op runs
-on shapes alone and allocates nothing, while the ledger still sees each storage
-it makes, with its bytes; NOTE [planning within the budget] in
-`.planner`), gives both: a pre-hook and a hook on every candidate open and close a ledger
-entry, and note the storages it takes and returns; when the loss is computed,
-every storage made in the step and still alive is held until backward, and is
-charged to one node:
+NOTE [tree figures]: the cost model (NOTE [tree cost model]) asks of each
+candidate ``v`` its own bytes ``a`` (saved by its ops, not inside a candidate
+below it) and its inputs' bytes ``in``. One forward and backward under the
+ledger on fake tensors (``FakeTensorMode``: shapes only, nothing allocated, each
+storage still seen) gives both: hooks on every candidate open and close a ledger
+entry, and each storage alive when the loss is computed is charged to one node.
+A storage some candidates take as input goes to the innermost of them (their
+nearest common ancestor for several: an attention mask every layer reads), in
+its ``a`` and ``in`` alike, since it is held whether that node is kept or
+forgotten; any other goes to the innermost candidate that made it, and up to
+its parent while it is that candidate's output (a region returns its outputs).
+``in(v)`` leaves out parameters, the step's inputs and what a candidate above
+holds. The plain step never runs: its peak is the keep-all plan's, or the fake
+run's ledger peak where higher. A model that reads its data may take another
+path on fake tensors, so the prediction is never trusted (NOTE [tree plans
+measured]); one that cannot run on fake tensors is profiled on real ones, with
+a warning.
 
-* a storage some candidates take as input goes to the innermost of them (to
-  the nearest common candidate ancestor of several innermost ones: the
-  attention mask or rotary tables every layer reads). It is held whether
-  that node is kept (its ops save it) or forgotten (its region holds it),
-  and freed only when a region above it is forgotten; so it is in that node's
-  ``a`` and ``in`` alike, once (a layer's input, the output of the layer
-  before it, is the layer's, not its maker's);
-* any other storage goes to the innermost candidate whose forward made it,
-  and up to its parent while it is that candidate's output: a region returns
-  its outputs, so forgetting it does not free them.
+NOTE [options on the innermost]: a node's ``forward_s`` is its call within
+whole forwards without grad (NOTE [forwards timed whole]) plus the fixed cost of
+a region (NOTE [time of a region]). A leaf option's figures (bytes spared, extra
+time, peak: NOTE [options' peaks]) are measured on the module alone, once per
+kind, on captured inputs. Options are offered on the innermost candidates only:
+an option fixes its node's whole subtree, which the children's options nearly
+compose, while timing it costs a run of the whole subtree. An option that saves
+nothing over keeping is not offered, nor a policy region that keeps no more
+than a forgotten one (forgetting does as well, on the faster path).
 
-``in(v)`` is the bytes of the inputs ``v`` takes that the step made (parameters
-and the step's own inputs are held anyway), less those charged to a candidate
-above ``v``, which hold them whatever ``v`` chooses. What the plain step holds
-beyond the saved bytes (gradients, backward's temporaries, kernel workspaces
-the ledger cannot see) is each node's work (NOTE [backward work]). The plain
-step never runs: its peak is predicted as the keep-all plan's, or the fake
-run's ledger peak where that is higher (a forward's transients, which the
-model does not see: ``Tree.base_bytes`` is the difference). Fake tensors may
-take another path than real ones where a model reads its data (transformers
-builds Llama's causal mask when it cannot check that the attention mask is all
-ones): such a prediction is high, never trusted (NOTE [tree plans measured]); a
-model whose step cannot run on fake tensors at all (an op whose output depends
-on the data) is profiled on real tensors, with a warning: that needs the plain
-step's memory.
+NOTE [backward work]: the backward allocates beyond the saved bytes: parameter
+gradients so far, the gradient flowing, each op's temporaries, kernel
+workspaces. One figure for the whole step, taken at the plain peak, was wrong
+both ways: a language model's plain peak is its loss's backward, which then
+stood beside every forgotten layer's re-run too, while a ResNet's gradients at
+the end went unseen (benchmarks/measured.md, "The backward's work in the cost
+model"). So the fake run's backward is cut where each candidate's begins (a
+pre-hook on its outputs' backward nodes), and each segment's ``w`` is its ledger
+peak less the saved bytes still held when it began. Own ops between two children
+fall in the segment of the child before them; a candidate's own ops after its
+last child are its tail (``t``: their saved bytes, freed before any child's
+backward: the loss's log-probabilities). A kernel's workspace, by the allocator
+beyond the ledger in an innermost candidate's step alone, is added to its ``w``.
 
-Times: a node's ``forward_s`` is what its call takes within whole forwards of
-the model without grad (NOTE [forwards timed whole] in `.alone`), the median
-over ``repeats`` of them and over its alike modules (NOTE [alike stages]),
-plus the fixed cost of a region (NOTE [time of a region]). A leaf option's
-figures (a policy keep, regenerate) are measured on the module alone, once
-per kind of alike modules, on real inputs captured by a forward without grad
-stopped at that module: the bytes it saves fewer than keeping, and its step's
-extra time, and how much lower than keeping its step peaks (NOTE [options'
-peaks]). Options are offered on the innermost candidates only (the layers,
-stems and heads; no candidate below them): an option fixes its node's whole
-subtree, which the children's own options nearly compose
-(one region instead of one per child), while timing it costs a run of the
-whole subtree: on a 4-layer Llama the decoder stack's options took half the
-options' time. Alike modules are measured once. An option that saves nothing
-over keeping is not offered (keeping does as well at no extra time), nor a
-policy region that keeps no more than a forgotten one (a selective keep of
-matmul outputs around a convolution block or a norm: forgetting does as well,
-on the faster path).
-
-NOTE [backward work]: the backward allocates beyond the saved bytes: the
-gradients of the parameters so far (all of them at backward's end), the
-gradient flowing, each op's temporaries, and kernel workspaces. Counted as one
-figure for the whole step, taken at the plain peak and added to every plan's
-(as ``Tree.base_bytes`` was), it was wrong both ways: a language model's
-plain peak is its loss's backward, the logits' gradient beside every layer
-held, and that figure stood beside every forgotten layer's re-run too (T5 of
-benchmarks/plan_memory.py forgetting every layer: 58,845,188 B predicted,
-41,513,672 B by the allocator; Llama 164 MB for 115 MB), while the ResNet's
-least plans were predicted at 9.2 MB and measured 12.8 MB, their
-gradients at the end unseen. So the fake run's backward is cut where each
-candidate's begins (a pre-hook on its outputs' backward nodes: the first to
-fire, unless a candidate inside it began first), and each segment's ``w`` is
-its ledger peak less the saved bytes still held when it began: everything
-else it holds. The own ops between two children fall in the segment of the
-child before them (the model holds every earlier child then too); a
-candidate's own ops after its last child are its tail (``t``: their saved
-bytes, freed before any child's backward: the loss's log-probabilities). A
-kernel's workspace, by the allocator beyond the ledger in an innermost
-candidate's step alone, is added to its ``w``. The same plans were then
-predicted at 42,536,964 B for 41,513,672 B (T5), 118 MB for 115 MB (Llama),
-12,828,972 B for 12,763,440 B (ResNet): within 1 to 7 %, above
-(benchmarks/measured.md, "The backward's work").
-
-NOTE [options' peaks]: a leaf option's peak was its node's kept peak (plus
-its inputs, for a policy region that re-runs on them). But regenerate peaks
-lower (it rebuilds the activations one use at a time, not all at once), and
-a selective region can peak higher (its re-run's outputs beside the kept
-ones: a layer of tests/_tree_models.py's BERT, alone, 1,514,512 B against
-1,288,584 B kept). On BERT of benchmarks/tree_targets.py the last layer
-regenerated was predicted at 55,856,036 B and measured at 53,896,224 B, and
-at 50 % the planner missed a plan 1.1 times faster than the one it chose,
-predicted past the budget by 2.5 MB and measured within it. So each option's
-step alone is measured at its peak too (the ledger's,
-`_Alone.step_peak_bytes`), and its peak in the tree is the kept one plus
-what it peaked above keeping alone (less, where lower): the same step then
-predicted 54,420,512 B. What is left over: where a layer's input is a
-LayerNorm's output (BERT's layers, each ending in one), regenerating the
-layer rebuilds that input too, which its step alone, on captured inputs no
-LayerNorm made, cannot show; it is still counted held (0.5 MB a layer there,
-NOTE [regenerate] in `forget.engine`).
+NOTE [options' peaks]: a leaf option's peak was its node's kept peak (plus its
+inputs, for a policy region that re-runs on them). But regenerate peaks lower
+(it rebuilds activations one use at a time) and a selective region can peak
+higher (its re-run's outputs beside the kept ones), enough for the planner to
+miss a faster plan (benchmarks/measured.md, "Single measurements behind the
+NOTEs"). So each option's step alone is measured at its peak too
+(`_Alone.step_peak_bytes`), and its peak in the tree is the kept one plus what
+it peaked above keeping alone (less, where lower). Left over: where a layer's
+input is a LayerNorm's output, regenerating the layer rebuilds that input too,
+which its step alone on captured inputs cannot show; it is still counted held
+(NOTE [regenerate]).
 """
 
 from __future__ import annotations

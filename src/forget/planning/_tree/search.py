@@ -4,49 +4,29 @@
 plans measured] in `.planner`); `drop_regions` measures, beside the frontier, the cheapest
 fit less one region (NOTE [one region fewer]).
 
-NOTE [close enough]: a measured step costs two to four plain steps (the guard's
-ledger and the allocator's record see every op; regions add their own), and the
-search measured points that could save a fraction of a millisecond over the
-last fit: on the 4-layer Llama of benchmarks/tree_targets.py at 75 %, after a
-fit predicted to add 17.2 ms and a miss at 11.3 ms, the next point it measured
-was predicted to add 17.0 ms. So the
-search stops once the points left between the last fit and the first miss are
-predicted to save no more than a 64th of the predicted forward (the top
-candidates' ``forward_s``, about a 200th of a step) over the last fit: a plan
-the search stops at is at most that slower, by the cost model, than one it
-would have gone on to find. The walk of NOTE [one region fewer] keeps its
-variants: each saves one small region's re-run (a ResNet's convolution, about
-a 36th of the step), under this tolerance alone, but they add up along the
-walk.
+NOTE [close enough]: a measured step costs a few plain steps (the guard's ledger
+and the allocator's record see every op), and the search measured points that
+could save a fraction of a millisecond over the last fit (benchmarks/measured.md,
+"Single measurements behind the NOTEs"). So the search stops once the points
+left between the last fit and the first miss are predicted to save no more than
+a 64th of the predicted forward (the top candidates' ``forward_s``) over the last
+fit: a plan the search stops at is at most that slower, by the cost model, than
+one it would have gone on to find. The walk of NOTE [one region fewer] keeps its
+variants: each saves one small region's re-run, under this tolerance alone, but
+they add up along the walk.
 
-NOTE [one region fewer]: the search walks the frontier the cost model
-predicts, so an assignment off that frontier is never measured, however well
-it would fit. Where the model predicts peaks well that loses nothing; where it
-does not, it can lose the plan: on the ResNet of benchmarks/tree_targets.py at
-75 %, frontier points forgetting the early stages' convolutions were predicted
-at 14.7 to 15.4 MB and measured at 17.4 to 18.0 MB (the convolutions'
-workspaces, which the figures did not count then: NOTE [backward work] in
-`.profile`), so the search
-fell back to a point forgetting five modules, while forgetting the first four
-layers, which the model put behind those points, fits at 15.4 MB: the chosen
-plan's overhead was 1.04 to 1.15 times that one's (three runs). So where the
-search measured a miss the model had predicted to fit, the planner also
-measures the cheapest fitting assignment with one of its regions or options
-dropped, those predicted to peak lowest first; a fitting one is cheaper by
-construction (it re-runs less), and the walk goes on from it, `_MAX_DROPS`
-measurements at most. Where the model over-predicts instead, the same walk
-measures the variants whose prediction, less the error measured on the
-assignment they come from, fits: on GPT-2 of benchmarks/tree_targets.py at 50 %
-the first three layers forgotten were predicted above the budget, so the plan
-also re-ran the fourth (`regenerate`) for no byte at the peak (measured
-35,160,032 B either way) and was 1.14 times as slow (benchmarks/measured.md).
-Where it missed, a variant predicted past the budget by more than the model
-over-predicted any step measured is left unmeasured (on the ResNet, once one
-region was left, the walk measured the plain step, predicted a third past the
-budget). And a variant the cost model predicts to save no time is never
-measured: on the 4-layer Llama at 75 %, four variants of a four-layer plan
-whose options were timed at no extra cost took four guarded steps (about a
-quarter of that plan's planning) and could gain nothing the model sees.
+NOTE [one region fewer]: the search walks the frontier the cost model predicts,
+so an assignment off it is never measured, however well it would fit; where the
+model mispredicts peaks that can lose the plan (benchmarks/measured.md, "Single
+measurements behind the NOTEs"). So where the search measured a miss the model
+had predicted to fit, the planner also measures the cheapest fitting assignment
+with one of its regions or options dropped, lowest predicted peak first: a
+fitting one is cheaper by construction (it re-runs less), and the walk goes on
+from it, `_MAX_DROPS` measurements at most. Where the model over-predicts, the
+walk measures the variants whose prediction, less the error measured on their
+source, fits. A variant predicted past the budget by more than the model ever
+over-predicted is left unmeasured, and so is one the model predicts to save no
+time.
 """
 
 from __future__ import annotations

@@ -113,23 +113,16 @@ Call = tuple[str, tuple[tuple[int, ...], ...]]
 def traced(model: nn.Module) -> Iterator[list[Call]]:
     """Record the module calls made while ``model``'s forward runs inside the block, in order.
 
-    NOTE [one structure per step]: a plan is an assignment of choices to the
-    modules of the step it measured, and the planner runs that step several
-    times (profiled, under the ledger, by the allocator, under each assignment
-    tried), taking figures from different runs for one cost model. A step
-    whose module calls change from run to run (control flow on the data, or on
-    random draws: a layer skipped when its input's sum is negative, a block
-    run a data-dependent number of times, a sequence cut to a length it
-    computes) has no one structure to plan: the figures would mix runs, and
-    the plan's measured peak would hold for one of them. So each of those runs
-    records its module calls, each module's path and the shapes of its tensor
-    inputs, and `check_same_calls` compares them with the first run's. Only
-    calls made while the model's own forward runs count, and no re-run
-    (`forget.in_recomputing`): re-runs in backward (a forgotten region's, or
-    those of a ``torch.utils.checkpoint`` inside the model) are the same calls
-    again by construction, and the first run, forward only, has none. A hook
-    allocates no tensor, so the peaks measured around it are those of the step
-    alone.
+    NOTE [one structure per step]: a plan assigns choices to the modules of the
+    step it measured, and the planner runs that step several times (profiled, under
+    the ledger, under each assignment), mixing figures from different runs. A step
+    whose module calls change from run to run (control flow on the data or on
+    random draws) has no one structure to plan. So each of those runs records its
+    module calls (path and input shapes), and `check_same_calls` compares them with
+    the first run's. Only calls made during the model's own forward count, never a
+    re-run (`forget.in_recomputing`): re-runs are the same calls by construction,
+    and the first run, forward only, has none. A hook allocates no tensor, so the
+    peaks measured around it are the step's alone.
     """
     calls: list[Call] = []
     depth = [0]  # the model's forwards running (a model may call itself)
