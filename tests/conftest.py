@@ -9,7 +9,7 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One torch thread, here and in the commands the tests start.
+    """One torch thread and a quiet profiler, here and in the commands the tests start.
 
     The tests check bytes, schedules and bits on tensors of a few KiB, where a
     second intra-op thread buys nothing and costs its hand-offs; and where the
@@ -17,9 +17,11 @@ def pytest_configure(config: pytest.Config) -> None:
     files took 171 and 197 s at two threads against 37 and 34 s at one, side by
     side at load 5 (benchmarks/measured.md, "The suite at one torch thread").
     Both sides of every differential test run alike, so nothing is left out. A
-    thread count given in the environment is kept.
+    thread count given in the environment is kept. The profiler's log lines go
+    as the command line sends them (NOTE [kineto's log] in `forget.cli`).
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # NOTE [kineto's log] in forget.cli
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -16,8 +16,8 @@ One room per planner, and what both use beside them:
 - Shared: `_targets` (what a plan runs: a model or blocks as a chain of
   stages, one loss; the stages a block offers; options checked), `_timing`
   (callables timed in interleaved rounds, medians of paired rounds, a
-  region's fixed cost), `_clock`, `_guard` (NOTE [guarded steps]), `_heap`
-  (NOTE [freed heap]) and `_json`.
+  region's fixed cost), `_clock`, `_guard` (NOTE [guarded steps]) and
+  `_json`.
 
 The rooms import the shared modules and, where the chain planner hands a
 module tree over, each other's modules; they are all this package's own.

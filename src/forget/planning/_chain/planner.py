@@ -73,7 +73,6 @@ from ...errors import BudgetInfeasibleError
 from ...memory import frozen_heap
 from ...policies import Policy
 from .._guard import guarded_peak
-from .._heap import heap_returned
 from .._targets import (
     Block,
     ChainModel,
@@ -316,7 +315,6 @@ class Planner:
     """Profile once, then plan for several budgets, sharing the measured trials."""
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    @heap_returned()  # NOTE [freed heap] in `._heap`
     def __init__(
         self,
         model_or_blocks: object,
@@ -475,7 +473,6 @@ class Planner:
             self.outside = peak - self.least_schedule.predicted_peak_bytes
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    @heap_returned()  # NOTE [freed heap] in `._heap`
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
         chain, trials = self.chain, self.trials
         if self.outside is None:

@@ -86,9 +86,8 @@ is stopped, the least feasible budget is not measured: the error names the
 cost model's least peak, or the least bound a stopped step passed where that is
 higher. A guard sees an allocation only once it is made, so a stopped step
 passes the budget by the one allocation that stopped it, then frees it. The
-ledger's bytes are not the process's resident memory: glibc keeps freed heap
-pages, so planning runs with large blocks mapped for themselves (NOTE [freed
-heap] in `._heap`).
+budget is judged by the allocator's count, never by the process's resident
+memory, which the C library's malloc keeps as it sees fit.
 
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
@@ -130,7 +129,6 @@ from ...memory import frozen_heap
 from ...policies import Policy
 from .._guard import Peak, guarded_peak
 from .._guard import budget_bytes as resolve_budget
-from .._heap import heap_returned
 from .._targets import _check_options, untouched, zero_grads
 from .._timing import fastest_of, time_calls
 from .apply import applied
@@ -202,7 +200,6 @@ class TreePlanner:
     """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    @heap_returned()  # NOTE [freed heap] in `._heap`
     def __init__(
         self,
         model: nn.Module,
@@ -476,7 +473,6 @@ class TreePlanner:
     # ------------------------------------------------------------ planning
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    @heap_returned()  # NOTE [freed heap] in `._heap`
     def plan(self, budget: int | float | str | None = None) -> TreePlan:
         """Return the fastest measured plan whose allocator peak fits ``budget``.
 
