@@ -65,24 +65,33 @@ def _freeze_what_earlier_tests_left():
 
 
 @pytest.fixture
-def fixed_clock():
-    """Planning times on a clock that runs nothing and reports 1 ms per call.
+def fixed_clock(request, monkeypatch):
+    """The wall clock made to run nothing and report 1 ms per call, for this test.
 
-    For tests that check what planning does with bytes, schedules and
-    gradients, not with times: profiling and the planner's side-by-side timing
-    run no steps (every byte figure is still measured), and the times repeat
-    exactly. A test that needs the wall clock asks for `wall_clock` too.
+    The library keeps no clock of its own: a planner takes one as a parameter
+    (``TreePlanner(..., clock=FixedClock())``), and a test of a planner passes
+    it so. `forget.plan`, the command line and ``enable`` take none and time on
+    a `WallClock`; a test through them that checks what planning does with
+    bytes, schedules and gradients, not with times, asks for this fixture, which
+    patches `WallClock`'s two reads for the test alone (as a test patches
+    ``time.perf_counter``): profiling and the side-by-side timing run no steps
+    (every byte figure is still measured), and the times repeat exactly. A
+    test that asks for `wall_clock` too (in a module that uses this one) keeps
+    the wall clock.
     """
-    from forget.planning import _clock
+    from forget.planning import FixedClock, WallClock
 
-    with _clock.using(_clock.FixedClock()) as clock:
-        yield clock
+    clock = FixedClock()
+    if "wall_clock" in request.fixturenames:
+        return clock
+    monkeypatch.setattr(WallClock, "elapsed", lambda _, fn: clock.elapsed(fn))
+    monkeypatch.setattr(WallClock, "spans", lambda _, fn, ms, sync: clock.spans(fn, ms, sync))
+    return clock
 
 
 @pytest.fixture
-def wall_clock(fixed_clock):
-    """Planning times on the wall clock (inside a module that uses `fixed_clock`)."""
-    from forget.planning import _clock
+def wall_clock():
+    """The wall clock, unpatched, in a module that uses `fixed_clock`."""
+    from forget.planning import WallClock
 
-    with _clock.using(_clock.WallClock()) as clock:
-        yield clock
+    return WallClock()

@@ -23,8 +23,8 @@ from forget.models import build_model
 from forget.planning import (
     Plan,
     PlannedSequential,
+    FixedClock,
     Planner,
-    _clock,
     _targets,
     _timing,
 )
@@ -89,8 +89,7 @@ def _peak(model, x, target) -> int:
 def planned(request):
     name = request.param
     model, x, target = _model(name)
-    with _clock.using(_clock.FixedClock()):
-        return name, model, x, target, Planner(model, (x, target), repeats=1)
+    return name, model, x, target, Planner(model, (x, target), repeats=1, clock=FixedClock())
 
 
 def test_measured_peak_fits_every_budget_and_gradients_match(planned):
@@ -631,11 +630,10 @@ def test_profile_charges_a_fixed_cost_per_region(monkeypatch):
     # On a clock whose figures are known, each comes out exactly.
     model, x, target = _model("residual_mlp")
     clock = _CountingClock(monkeypatch)
-    with _clock.using(clock):
-        chain = forget.profile_chain(model, x, target, repeats=1)
-        # One block: a Sequential of a Linear and a Tanh (whose saved output is forgotten).
-        block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-        one = forget.profile_chain([block], torch.randn(2, 4), repeats=1)
+    chain = forget.profile_chain(model, x, target, repeats=1, clock=clock)
+    # One block: a Sequential of a Linear and a Tanh (whose saved output is forgotten).
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    one = forget.profile_chain([block], torch.randn(2, 4), repeats=1, clock=clock)
     assert clock.regions > 0
     assert chain.region_overhead_s == pytest.approx(clock.region_s)
     assert one.region_overhead_s == pytest.approx(clock.region_s)

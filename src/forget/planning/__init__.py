@@ -16,8 +16,9 @@ One room per planner, and what both use beside them:
 - Shared: `_targets` (what a plan runs: a model or blocks as a chain of
   stages, one loss; the stages a block offers; options checked), `_timing`
   (callables timed in interleaved rounds, medians of paired rounds, a
-  region's fixed cost), `_clock`, `_guard` (NOTE [guarded steps]) and
-  `_json`.
+  region's fixed cost), `_clock` (the clock times are read on, passed as
+  a parameter: `WallClock`, or a test's `FixedClock`), `_guard` (NOTE
+  [guarded steps]) and `_json`.
 
 The rooms import the shared modules and, where the chain planner hands a
 module tree over, each other's modules; they are all this package's own.
@@ -31,6 +32,9 @@ from ._chain.plan import run_items as run_items
 from ._chain.planner import Planner as Planner
 from ._chain.planner import plan as plan
 from ._chain.profile import profile_chain as profile_chain
+from ._clock import Clock as Clock
+from ._clock import FixedClock as FixedClock
+from ._clock import WallClock as WallClock
 from ._targets import untouched as untouched
 from ._targets import zero_grads as zero_grads
 from ._timing import paired_overheads as paired_overheads
@@ -46,11 +50,14 @@ from ._tree.planner import TreePlanner as TreePlanner
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "Clock",
+    "FixedClock",
     "Plan",
     "PlannedSequential",
     "Planner",
     "TreePlan",
     "TreePlanner",
+    "WallClock",
     "find_candidates",
     "is_wrapped",
     "paired_overheads",

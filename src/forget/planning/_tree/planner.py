@@ -127,6 +127,7 @@ from ... import schedules as P
 from ...errors import BudgetInfeasibleError
 from ...memory import frozen_heap
 from ...policies import Policy
+from .._clock import WALL_CLOCK, Clock
 from .._guard import Peak, guarded_peak
 from .._guard import budget_bytes as resolve_budget
 from .._targets import _check_options, untouched, zero_grads
@@ -197,6 +198,9 @@ class TreePlanner:
         budget: the least budget this planner will plan for, if known: the
             profile's runs on real tensors stay within it too (NOTE [planning
             within the budget]); a percentage of the fake run's ledger peak.
+        clock: what the profile and the side-by-side timing read times on
+            (`WallClock`); a test's `FixedClock` runs nothing and reports the
+            same seconds for every call.
     """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
@@ -212,6 +216,7 @@ class TreePlanner:
         repeats: int = 3,
         samples: Sequence[Any] | None = None,
         budget: int | float | str | None = None,
+        clock: Clock = WALL_CLOCK,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"forget: TreePlanner plans an nn.Module, got {type(model).__name__}")
@@ -225,9 +230,10 @@ class TreePlanner:
         self.step = TreeStep(model, step_args, step_kwargs, loss_fn)
         self.policies = _check_options(DEFAULT_OPTIONS if options is None else options)
         self.repeats = repeats
+        self.clock = clock
         self.sizes = tuple({k: tuple(v) for k, v in s.items()} for s in sizes)
         self.structure = tuple(structure(model))
-        self.profile = profile_tree(self.step, candidates, self.policies, repeats, budget)
+        self.profile = profile_tree(self.step, candidates, self.policies, repeats, budget, clock)
         self.tree = self.profile.tree
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
@@ -428,7 +434,11 @@ class TreePlanner:
             with untouched(target):
                 # Every candidate ran when it was measured: its regions are warm.
                 return time_calls(
-                    calls, self.repeats, prepare=lambda _: zero_grads(target), warm_up=False
+                    calls,
+                    self.repeats,
+                    prepare=lambda _: zero_grads(target),
+                    warm_up=False,
+                    clock=self.clock,
                 )
 
         return candidates[fastest_of(time, len(candidates))]
