@@ -79,14 +79,12 @@ def fixed_clock(request, monkeypatch):
     test that asks for `wall_clock` too (in a module that uses this one) keeps
     the wall clock.
     """
-    from forget.planning import FixedClock, WallClock
+    from _clocks import fixed_wall_clock
+    from forget.planning import FixedClock
 
-    clock = FixedClock()
     if "wall_clock" in request.fixturenames:
-        return clock
-    monkeypatch.setattr(WallClock, "elapsed", lambda _, fn: clock.elapsed(fn))
-    monkeypatch.setattr(WallClock, "spans", lambda _, fn, ms, sync: clock.spans(fn, ms, sync))
-    return clock
+        return FixedClock()
+    return fixed_wall_clock(monkeypatch)
 
 
 @pytest.fixture

@@ -21,10 +21,11 @@ from forget import schedules as P
 from forget.engine import InTurn
 from forget.models import build_model
 from forget.planning import (
+    FixedClock,
     Plan,
     PlannedSequential,
-    FixedClock,
     Planner,
+    WallClock,
     _targets,
     _timing,
 )
@@ -852,7 +853,6 @@ def test_a_cut_some_backward_reads_is_kept():
     assert target.stage_parts is None
 
 
-@pytest.mark.usefixtures("wall_clock")  # the pairs run; the stand-in below gives their times
 def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch):
     # NOTE [time of a region]: one pair's difference of differences scatters widely.
     blocks = [nn.Linear(4, 4) for _ in range(10)]
@@ -871,7 +871,7 @@ def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch)
         _timing, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
     )
     held = {i: inputs[i] for i in _timing._pair_starts(len(blocks))}  # as _profile holds them
-    region_s = _timing._region_overhead_s(blocks, held, stages, repeats=1)
+    region_s = _timing._region_overhead_s(blocks, held, stages, 1, WallClock())
     # Pairs (0, 1), (2, 3), (6, 7), (8, 9): 5 disjoint pairs, 4 spread over them.
     assert sorted(held) == [0, 2, 6, 8]
     assert [next(i for i, x in enumerate(inputs) if x is h) for h in seen] == [0, 2, 6, 8]

@@ -76,9 +76,7 @@ def test_an_infeasible_budget_names_one_that_plans(planned):
         # The error names the least measured, or, where a step that might need less
         # passed the budget, a budget measured to fit; planning there works at once.
         assert error.min_feasible_bytes >= least.min_feasible_bytes > error.budget_bytes
-        assert error.budget_bytes == forget.schedules.parse_budget(
-            budget, least.plain_peak_bytes
-        )
+        assert error.budget_bytes == forget.schedules.parse_budget(budget, least.plain_peak_bytes)
         if error.min_feasible_bytes > least.min_feasible_bytes:
             assert "steps that may need less passed this budget" in str(error)
         plan = planned.plans[budget]

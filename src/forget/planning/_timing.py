@@ -236,9 +236,13 @@ def _region_overhead_s(
     if len(blocks) < 2:
         x = torch.ones(1, device=inputs[0].device, requires_grad=True)
         tiny = functools.partial(torch.mul, other=2.0)
+
+        def clear_x() -> None:
+            x.grad = None
+
         return _alternating_median_difference(
-            _step_timer(lambda: run_region(tiny, (x,), {}), lambda: setattr(x, "grad", None), clock),
-            _step_timer(lambda: tiny(x), lambda: setattr(x, "grad", None), clock),
+            _step_timer(lambda: run_region(tiny, (x,), {}), clear_x, clock),
+            _step_timer(lambda: tiny(x), clear_x, clock),
             max(9, 3 * repeats),
         )
     estimates = []
