@@ -493,7 +493,7 @@ def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
 def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -> None:
     tf = pytest.importorskip("transformers")
     from forget.integrations import transformers as forget_hf
-    from forget.planning import DEFAULT_OPTIONS
+    from forget.regions import DEFAULT_OPTIONS
 
     plain = _tiny_gpt2(tf, positions=128)
     model = copy.deepcopy(plain)

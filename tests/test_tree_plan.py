@@ -28,8 +28,8 @@ import forget
 from _tree_models import MODELS, _allocator_peak, _step
 from forget import BudgetInfeasibleError, TreePlan
 from forget.planning import FixedClock, TreePlanner, WallClock
-from forget.planning._tree.apply import RegionForward
 from forget.planning._tree.search import choices_key as _key
+from forget.regions import RegionForward
 
 BUDGETS = ("75%", "50%", "least")
 

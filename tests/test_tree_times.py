@@ -17,8 +17,8 @@ from torch import nn
 from _tree_models import MODELS
 from forget.planning import FixedClock, TreePlanner, WallClock, _clock
 from forget.planning._tree import alone
-from forget.planning._tree.candidates import ROOT
 from forget.planning._tree.step import TreeStep
+from forget.regions import ROOT
 
 
 class _Pair(nn.Module):

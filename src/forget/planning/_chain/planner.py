@@ -72,6 +72,7 @@ from ... import schedules as P
 from ...errors import BudgetInfeasibleError
 from ...memory import frozen_heap
 from ...policies import Policy
+from ...regions import CandidateSpec
 from .._clock import WALL_CLOCK, Clock
 from .._guard import guarded_peak
 from .._targets import (
@@ -86,7 +87,6 @@ from .._targets import (
     zero_grads,
 )
 from .._timing import fastest_of, time_rounds
-from .._tree.candidates import CandidateSpec
 from .._tree.plan import TreePlan
 from .._tree.planner import plan_tree
 from .._tree.step import TreeLossFn

@@ -127,14 +127,14 @@ from ... import schedules as P
 from ...errors import BudgetInfeasibleError
 from ...memory import frozen_heap
 from ...policies import Policy
+from ...regions import DEFAULT_OPTIONS, ROOT, CandidateSpec, structure
 from .._clock import WALL_CLOCK, Clock
 from .._guard import Peak, guarded_peak
 from .._guard import budget_bytes as resolve_budget
 from .._targets import _check_options, untouched, zero_grads
 from .._timing import fastest_of, time_calls
 from .apply import applied
-from .candidates import ROOT, CandidateSpec, structure
-from .plan import DEFAULT_OPTIONS, TreePlan
+from .plan import TreePlan
 from .profile import profile_tree
 from .search import Key as _Key
 from .search import choices_key as _key

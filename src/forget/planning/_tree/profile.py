@@ -119,13 +119,13 @@ from ...engine import storage_of
 from ...errors import BudgetInfeasibleError, ForgetError
 from ...memory import Ledger, StorageRecord, watch
 from ...policies import Policy
+from ...regions import ROOT, CandidateSpec, ancestors, find_candidates, parents
 from .._clock import WALL_CLOCK, Clock
 from .._guard import Overrun, budget_bytes, guard
 from .._targets import untouched, zero_grads
 from .alone import Layout as _Layout
 from .alone import alone_figures
 from .apply import is_wrapped
-from .candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
 from .step import Call, TreeStep, check_same_calls, step_loss, traced
 
 
