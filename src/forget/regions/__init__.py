@@ -20,9 +20,9 @@ from ._candidates import first_difference as first_difference
 from ._candidates import parents as parents
 from ._candidates import structure as structure
 from ._forward import RegionForward as RegionForward
+from ._forward import owner_of as owner_of
 from ._forward import unwrap_forward as unwrap_forward
 from ._forward import wrap_forward as wrap_forward
-from ._forward import wrapper_of as wrapper_of
 from ._options import DEFAULT_OPTIONS as DEFAULT_OPTIONS
 
 __all__ = [
@@ -33,9 +33,9 @@ __all__ = [
     "ancestors",
     "find_candidates",
     "first_difference",
+    "owner_of",
     "parents",
     "structure",
     "unwrap_forward",
     "wrap_forward",
-    "wrapper_of",
 ]

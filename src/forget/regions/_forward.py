@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["RegionForward", "unwrap_forward", "wrap_forward", "wrapper_of"]
+__all__ = ["RegionForward", "owner_of", "unwrap_forward", "wrap_forward"]
 
 #: What a wrapper runs: ``call(forward, args, kwargs)``, the module's forward before it.
 Call = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
@@ -61,10 +61,11 @@ def wrap_forward(module: nn.Module, call: Call, owner: str, label: str) -> None:
     module.__dict__["forward"] = RegionForward(module, call, owner, label)
 
 
-def unwrap_forward(module: nn.Module) -> bool:
-    """Restore ``module``'s forward as it was before `wrap_forward`; False if not wrapped."""
-    wrapper = wrapper_of(module)
-    if wrapper is None:
+def unwrap_forward(module: nn.Module, owner: str) -> bool:
+    """Restore ``module``'s forward as it was before ``owner``'s `wrap_forward`; False
+    where ``owner`` did not wrap it (another's wrapper stays)."""
+    wrapper = module.__dict__.get("forward")
+    if not isinstance(wrapper, RegionForward) or wrapper.owner != owner:
         return False
     if wrapper.own is None:
         del module.__dict__["forward"]
@@ -73,7 +74,7 @@ def unwrap_forward(module: nn.Module) -> bool:
     return True
 
 
-def wrapper_of(module: nn.Module) -> RegionForward | None:
-    """The `RegionForward` set on ``module``, if any."""
+def owner_of(module: nn.Module) -> str | None:
+    """Whose `RegionForward` runs ``module``'s forward (``"plan"``, ``"cap"``), or None."""
     wrapper = module.__dict__.get("forward")
-    return wrapper if isinstance(wrapper, RegionForward) else None
+    return wrapper.owner if isinstance(wrapper, RegionForward) else None

@@ -62,7 +62,7 @@ from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
 from ..errors import ForgetError
 from ..memory import AllocatorReading
 from ..policies import Policy
-from ..regions import find_candidates, unwrap_forward, wrap_forward, wrapper_of
+from ..regions import find_candidates, owner_of, unwrap_forward, wrap_forward
 from ..schedules import parse_budget
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
@@ -564,15 +564,13 @@ def _wrap(module: nn.Module, call: Callable[..., Any]) -> None:
 
 
 def _unwrap(module: nn.Module) -> None:
-    wrapper = wrapper_of(module)
-    if wrapper is not None and wrapper.owner == _CAP:
-        unwrap_forward(module)
+    unwrap_forward(module, _CAP)
 
 
 def _refuse_wrapped(model: nn.Module) -> None:
     for name, module in model.named_modules():
         where = f"{type(model).__name__}.{name}" if name else type(model).__name__
-        owner = getattr(wrapper_of(module), "owner", None)
+        owner = owner_of(module)
         if owner == _CAP:
             raise ForgetError(
                 f"forget: {where} runs under a cap already; one cap per model. Call "

@@ -17,7 +17,7 @@ from torch import nn
 
 from ...engine import regenerating, run_region
 from ...policies import Policy
-from ...regions import unwrap_forward, wrap_forward, wrapper_of
+from ...regions import owner_of, unwrap_forward, wrap_forward
 
 #: The owner a plan's wrappers carry (`forget.regions.RegionForward.owner`).
 PLAN = "plan"
@@ -51,13 +51,12 @@ def wrap(module: nn.Module, choice: str, policy: Policy | None) -> None:
 
 def unwrap(module: nn.Module) -> bool:
     """Restore ``module``'s forward as it was before `wrap`; False if no plan wrapped it."""
-    return is_wrapped(module) and unwrap_forward(module)
+    return unwrap_forward(module, PLAN)
 
 
 def is_wrapped(module: nn.Module) -> bool:
     """Whether a plan's region wraps ``module``'s forward."""
-    wrapper = wrapper_of(module)
-    return wrapper is not None and wrapper.owner == PLAN
+    return owner_of(module) == PLAN
 
 
 def policy_of(choice: str, policies: Mapping[str, Policy]) -> Policy | None:
