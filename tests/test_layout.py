@@ -129,7 +129,8 @@ def test_public_functions_stay_functions_once_every_subpackage_is_imported():
 
     import forget
 
-    for name in ("engine", "memory", "planning", "schedules", "cli", "integrations"):
+    packages = ("engine", "memory", "regions", "planning", "runtime", "schedules", "cli")
+    for name in (*packages, "integrations"):
         importlib.import_module(f"forget.{name}")
     for name in ("forget", "checkpoint", "plan", "saved", "measure", "regenerating"):
         value = getattr(forget, name)
