@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import forget
-from forget.planning import TreePlanner, _clock
+from forget.planning import FixedClock, TreePlanner
 
 
 class _Block(nn.Module):
@@ -97,21 +97,20 @@ def main() -> None:
     for name in args.models.split(","):
         torch.manual_seed(0)
         model, inputs = MODELS[name]()
-        with _clock.using(_clock.FixedClock()):
-            planner = TreePlanner(model, (), inputs, repeats=1)
-            for budget in args.budgets.split(","):
-                try:
-                    plan = planner.plan(planner.least() if budget == "min" else budget)
-                except forget.BudgetInfeasibleError as error:
-                    print(f"{name:<7} {budget:>7} {error.budget_bytes:>10,} infeasible: "
-                          f"least {error.min_feasible_bytes:,} B")  # fmt: skip
-                    continue
-                print(
-                    f"{name:<7} {budget:>7} {plan.budget_bytes:>10,} "
-                    f"{plan.measured_peak_bytes:>10,} {plan.ledger_peak_bytes:>10,} "
-                    f"{plan.plain_peak_bytes:>11,} {plan.plain_ledger_peak_bytes:>10,}  "
-                    f"{', '.join(f'{k}:{v}' for k, v in plan.choices.items())}"
-                )
+        planner = TreePlanner(model, (), inputs, repeats=1, clock=FixedClock())
+        for budget in args.budgets.split(","):
+            try:
+                plan = planner.plan(planner.least() if budget == "min" else budget)
+            except forget.BudgetInfeasibleError as error:
+                print(f"{name:<7} {budget:>7} {error.budget_bytes:>10,} infeasible: "
+                      f"least {error.min_feasible_bytes:,} B")  # fmt: skip
+                continue
+            print(
+                f"{name:<7} {budget:>7} {plan.budget_bytes:>10,} "
+                f"{plan.measured_peak_bytes:>10,} {plan.ledger_peak_bytes:>10,} "
+                f"{plan.plain_peak_bytes:>11,} {plan.plain_ledger_peak_bytes:>10,}  "
+                f"{', '.join(f'{k}:{v}' for k, v in plan.choices.items())}"
+            )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One torch thread, here and in the commands the tests start.
+    """One torch thread and a quiet profiler, here and in the commands the tests start.
 
     The tests check bytes, schedules and bits on tensors of a few KiB, where a
     second intra-op thread buys nothing and costs its hand-offs; and where the
@@ -17,9 +17,11 @@ def pytest_configure(config: pytest.Config) -> None:
     files took 171 and 197 s at two threads against 37 and 34 s at one, side by
     side at load 5 (benchmarks/measured.md, "The suite at one torch thread").
     Both sides of every differential test run alike, so nothing is left out. A
-    thread count given in the environment is kept.
+    thread count given in the environment is kept. The profiler's log lines go
+    as the command line sends them (NOTE [kineto's log] in `forget.cli`).
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # NOTE [kineto's log] in forget.cli
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -63,24 +65,31 @@ def _freeze_what_earlier_tests_left():
 
 
 @pytest.fixture
-def fixed_clock():
-    """Planning times on a clock that runs nothing and reports 1 ms per call.
+def fixed_clock(request, monkeypatch):
+    """The wall clock made to run nothing and report 1 ms per call, for this test.
 
-    For tests that check what planning does with bytes, schedules and
-    gradients, not with times: profiling and the planner's side-by-side timing
-    run no steps (every byte figure is still measured), and the times repeat
-    exactly. A test that needs the wall clock asks for `wall_clock` too.
+    The library keeps no clock of its own: a planner takes one as a parameter
+    (``TreePlanner(..., clock=FixedClock())``), and a test of a planner passes
+    it so. `forget.plan`, the command line and ``enable`` take none and time on
+    a `WallClock`; a test through them that checks what planning does with
+    bytes, schedules and gradients, not with times, asks for this fixture, which
+    patches `WallClock`'s two reads for the test alone (as a test patches
+    ``time.perf_counter``): profiling and the side-by-side timing run no steps
+    (every byte figure is still measured), and the times repeat exactly. A
+    test that asks for `wall_clock` too (in a module that uses this one) keeps
+    the wall clock.
     """
-    from forget.planning import _clock
+    from _clocks import fixed_wall_clock
+    from forget.planning import FixedClock
 
-    with _clock.using(_clock.FixedClock()) as clock:
-        yield clock
+    if "wall_clock" in request.fixturenames:
+        return FixedClock()
+    return fixed_wall_clock(monkeypatch)
 
 
 @pytest.fixture
-def wall_clock(fixed_clock):
-    """Planning times on the wall clock (inside a module that uses `fixed_clock`)."""
-    from forget.planning import _clock
+def wall_clock():
+    """The wall clock, unpatched, in a module that uses `fixed_clock`."""
+    from forget.planning import WallClock
 
-    with _clock.using(_clock.WallClock()) as clock:
-        yield clock
+    return WallClock()

@@ -424,6 +424,24 @@ def test_bad_models() -> None:
         forget.cap(_net(), 1000, candidates="*.nothing")
 
 
+def test_plan_and_cap_run_modules_through_one_wrapper() -> None:
+    # NOTE [instance forward] in forget.regions: one wrapper, its owner named.
+    from forget.planning._tree.apply import unwrap, wrap
+    from forget.regions import RegionForward, owner_of
+
+    net = _net()
+    handle = forget.cap(net, "1MiB")
+    wrappers = [m.__dict__["forward"] for m in net.modules() if "forward" in m.__dict__]
+    assert len(wrappers) > 1  # the model and its regions
+    assert all(type(w) is RegionForward and w.owner == "cap" for w in wrappers)
+    assert not unwrap(net) and owner_of(net) == "cap"  # a plan's unwrap leaves the cap's
+    handle.remove()
+    assert not any("forward" in m.__dict__ for m in net.modules())
+    wrap(net.body[1], "forget", None)
+    assert type(net.body[1].forward) is RegionForward and owner_of(net.body[1]) == "plan"
+    assert unwrap(net.body[1]) and "forward" not in net.body[1].__dict__
+
+
 def test_one_cap_per_model_and_none_over_a_plan() -> None:
     from forget.planning._tree.apply import wrap
 
@@ -493,7 +511,7 @@ def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
 def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -> None:
     tf = pytest.importorskip("transformers")
     from forget.integrations import transformers as forget_hf
-    from forget.planning import DEFAULT_OPTIONS
+    from forget.regions import DEFAULT_OPTIONS
 
     plain = _tiny_gpt2(tf, positions=128)
     model = copy.deepcopy(plain)

@@ -14,7 +14,7 @@ import forget
 from _cap_steps import _equal, _step
 from forget import policies
 from forget.engine import DroppableRegion
-from forget.planning import DEFAULT_OPTIONS
+from forget.regions import DEFAULT_OPTIONS
 from forget.runtime import EVICTIONS
 
 SELECTIVE = DEFAULT_OPTIONS["selective"]

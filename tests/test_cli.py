@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -46,6 +47,24 @@ def test_python_dash_m_runs_the_same_cli():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: forget COMMAND")
+
+
+def test_the_command_line_keeps_kinetos_log_off_stderr():
+    # NOTE [kineto's log] in forget.cli: in a fresh process, without the variable set.
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    argv = ["plan", "--model", "residual_mlp", "--size", "tiny", "--budgets", "50%"]
+    argv += ["--repeats", "1", "--quiet"]
+    done = subprocess.run(
+        [sys.executable, "-m", "forget", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[2].split()[:2] == ["residual_mlp", "50%"]
+    assert done.stderr == ""
 
 
 def test_demo_help_describes_every_option_with_its_default(monkeypatch, capsys):

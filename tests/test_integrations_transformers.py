@@ -11,10 +11,10 @@ The last part, budgets (NOTE [plan in force]): Llama, GPT-2, BERT, T5
 transformers' ResNet (BatchNorm; transformers has no gradient checkpointing for
 it), each enabled on copies at 75 %, 50 % and 35 % of its plain step's
 allocator peak and at its least feasible budget, each ``enable`` planning
-afresh on the fixed clock (conftest.py: every byte measured, no step timed).
-The least is what the first budget's plan (or error) names; a plan at exactly
-that budget must fit, and a share below it must raise `BudgetInfeasibleError`
-naming it. The model ``enable`` returned steps at the plan's measured peak, by
+afresh on a clock that runs nothing (tests/_clocks.py: every byte measured, no
+step timed). A share out of reach must raise `BudgetInfeasibleError` naming a
+budget, and ``enable`` at exactly that budget must plan, at once, and fit.
+The model ``enable`` returned steps at the plan's measured peak, by
 the allocator; a copy of it (a new process, as far as forget's engine knows)
 within the budget; loss, gradients and buffers are bitwise the plain step's.
 """
@@ -31,9 +31,10 @@ import pytest
 import torch
 
 import forget
+from _clocks import fixed_wall_clock
 from forget import BudgetInfeasibleError, TreePlan
 from forget.integrations import transformers as forget_hf
-from forget.planning import TreePlanner, _clock
+from forget.planning import TreePlanner
 
 transformers = pytest.importorskip("transformers")
 
@@ -784,8 +785,10 @@ class Enabled:
     inputs: Inputs
     found: list[tuple[Any, ...]]  # _module_state(model)
     plain_peak_bytes: int
-    # budget -> the model enable(budget=...) changed and its plan, or the error it raised
-    runs: dict[str, tuple[Any, TreePlan] | BudgetInfeasibleError]
+    # budget -> the model enable(budget=...) changed and its plan; for a share out of
+    # reach, enabled at the budget its error named
+    runs: dict[str, tuple[Any, TreePlan]]
+    errors: dict[str, BudgetInfeasibleError]  # a share out of reach: what it raised
 
 
 @pytest.fixture(scope="module")
@@ -808,38 +811,33 @@ def _enabled(name: str) -> Enabled:
     model, inputs = make().train(), make_inputs()
     _step_of(model, inputs, seed=0)  # what a forward makes lazily exists before the state is read
     plain_peak = _allocator_peak(model, inputs)
-    runs: dict[str, tuple[Any, TreePlan] | BudgetInfeasibleError] = {}
-    with _clock.using(_clock.FixedClock()):
+    runs: dict[str, tuple[Any, TreePlan]] = {}
+    errors: dict[str, BudgetInfeasibleError] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        fixed_wall_clock(patch)
         for budget in BUDGETS[name]:
-            copied = copy.deepcopy(model)
             given: int | str = budget
             if budget == "least":  # a plan need not search for it (NOTE [least on demand])
                 given = TreePlanner(copy.deepcopy(model), (), inputs).least()
+            copied = copy.deepcopy(model)
             try:
                 forget_hf.enable(copied, budget=given, inputs=inputs)
             except BudgetInfeasibleError as error:
-                runs[budget] = error
-            else:
-                plan = forget_hf.plan_of(copied)
-                assert plan is not None
-                runs[budget] = (copied, plan)
-    return Enabled(name, model, inputs, _module_state(model), plain_peak, runs)
+                # A share out of reach: enabled at the budget the error names, which
+                # must plan at once (`test_budget_out_of_reach_names_one_that_plans`).
+                assert budget != "least", error
+                errors[budget] = error
+                copied = copy.deepcopy(model)
+                forget_hf.enable(copied, budget=error.min_feasible_bytes, inputs=inputs)
+            plan = forget_hf.plan_of(copied)
+            assert plan is not None
+            runs[budget] = (copied, plan)
+    return Enabled(name, model, inputs, _module_state(model), plain_peak, runs, errors)
 
 
 def _run(enabled: Enabled, budget: str, copied: bool = True) -> tuple[Any, TreePlan]:
     """The model enabled at ``budget``, or a copy (which keeps its own door and regions)."""
-    run = enabled.runs[budget]
-    if isinstance(run, BudgetInfeasibleError):
-        least = enabled.runs["least"]
-        assert not isinstance(least, BudgetInfeasibleError), "the least feasible budget fits"
-        least_bytes = least[1].budget_bytes
-        # Each budget's planner names the least it measured (or estimated, where no step
-        # fits its budget: NOTE [planning within the budget]); one planning a smaller
-        # budget may search lower than the first did.
-        assert budget != "least" and run.min_feasible_bytes > run.budget_bytes
-        assert f"{run.min_feasible_bytes:,} B" in str(run)
-        pytest.skip(f"{budget} is below the least feasible budget ({least_bytes:,} B)")
-    model, plan = run
+    model, plan = enabled.runs[budget]
     if not copied:
         return model, plan
     copy_ = copy.deepcopy(model)  # steps change buffers (BatchNorm): each test runs its own
@@ -871,9 +869,27 @@ def test_budget_measured_peak_is_within_the_budget(enabled: Enabled, budget: str
     assert abs(plan.plain_peak_bytes - enabled.plain_peak_bytes) <= 0.15 * enabled.plain_peak_bytes
     if budget == "least":
         assert plan.budget_bytes == plan.min_feasible_bytes
+    elif budget in enabled.errors:
+        assert plan.budget_bytes == enabled.errors[budget].min_feasible_bytes
     else:
         assert plan.budget_bytes == forget.schedules.parse_budget(budget, plan.plain_peak_bytes)
     assert forget_hf.is_enabled(model) and forget_hf.checkpointed_layers(model) == []
+
+
+@budget_cases
+def test_budget_out_of_reach_names_one_that_plans(enabled: Enabled, budget: str) -> None:
+    error = enabled.errors.get(budget)
+    if budget == "75%" or budget == "least":
+        assert error is None  # 75 % is in reach on every model, and the least is
+    if error is None:
+        return
+    # The error names the budget (a share of the predicted plain peak) and one at which
+    # `enable` planned the first time (`_enabled`), within it.
+    _, plan = enabled.runs[budget]
+    assert error.budget_bytes == forget.schedules.parse_budget(budget, plan.plain_peak_bytes)
+    assert error.budget_bytes < error.min_feasible_bytes == plan.budget_bytes
+    assert f"{error.min_feasible_bytes:,} B" in str(error)
+    assert plan.measured_peak_bytes <= plan.budget_bytes
 
 
 @budget_cases
@@ -901,9 +917,7 @@ def test_budget_disable_leaves_the_model_as_found(enabled: Enabled) -> None:
 @pytest.mark.usefixtures("fixed_clock")
 @pytest.mark.parametrize("name", ["llama", "resnet"])
 def test_budget_one_byte_below_the_least_raises_and_changes_nothing(enabled: Enabled) -> None:
-    least = enabled.runs["least"]
-    assert not isinstance(least, BudgetInfeasibleError)
-    least_bytes = least[1].budget_bytes
+    least_bytes = enabled.runs["least"][1].budget_bytes
     model = copy.deepcopy(enabled.model)
     with pytest.raises(BudgetInfeasibleError, match="smallest feasible") as error:
         forget_hf.enable(model, budget=least_bytes - 1, inputs=enabled.inputs)

@@ -9,8 +9,6 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "forget"
 MODULES = sorted(p for p in SRC.rglob("*.py") if "__pycache__" not in p.parts)
-# "~600 lines": a module this long has more than one concern to split off.
-MAX_LINES = 620
 
 
 def _package(path: Path) -> tuple[str, ...]:
@@ -64,10 +62,38 @@ def test_no_module_imports_another_packages_private_names(path):
         )
 
 
-@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(SRC)) for p in MODULES])
-def test_no_module_is_over_about_600_lines(path):
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.relative_to(SRC)} has {lines} lines; split it by concern"
+# Packages below others (DESIGN.md, "Layers of the code"): each imports none of those.
+BELOW = {
+    "runtime": ("planning",),  # the cap uses the model tree's regions, not the planner
+    "regions": ("planning", "runtime"),  # facts of the model tree, below both
+}
+
+
+@pytest.mark.parametrize("below", sorted(BELOW))
+def test_lower_layers_import_nothing_of_the_higher(below):
+    paths = sorted((SRC / below).rglob("*.py"))
+    assert paths, below
+    for path in paths:
+        for target, name in _imports(path.read_text(), _package(path)):
+            whole = (*target, name) if target == ("forget",) else target
+            above = next((p for p in BELOW[below] if whole[:2] == ("forget", p)), None)
+            assert above is None, (
+                f"{path.relative_to(SRC)} imports {name!r} from {'.'.join(target)}: "
+                f"{below}/ lies below {above}/ and may not import it"
+            )
+
+
+def test_importing_the_cap_imports_no_planning_module():
+    # In a fresh process: what `import forget.runtime` loads, lazily imported too.
+    import subprocess
+    import sys
+
+    code = "import sys, forget.runtime; print(sorted(m for m in sys.modules if 'planning' in m))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_the_rules_catch_what_they_forbid():
@@ -88,6 +114,12 @@ def test_the_rules_catch_what_they_forbid():
     assert _owner(shared[0][0]) == _owner(room) == planning
     other = _imports("from ...engine._region import Region\n", room)
     assert _owner(other[0][0]) == ("forget", "engine") != _owner(room)
+    # The layering check resolves both spellings of an import of the planner.
+    runtime = ("forget", "runtime")
+    assert _imports("from ..planning import DEFAULT_OPTIONS\n", runtime) == [
+        (("forget", "planning"), "DEFAULT_OPTIONS")
+    ]
+    assert _imports("from .. import planning\n", runtime) == [(("forget",), "planning")]
 
 
 def test_public_functions_stay_functions_once_every_subpackage_is_imported():
@@ -97,7 +129,8 @@ def test_public_functions_stay_functions_once_every_subpackage_is_imported():
 
     import forget
 
-    for name in ("engine", "memory", "planning", "schedules", "cli", "integrations"):
+    packages = ("engine", "memory", "regions", "planning", "runtime", "schedules", "cli")
+    for name in (*packages, "integrations"):
         importlib.import_module(f"forget.{name}")
     for name in ("forget", "checkpoint", "plan", "saved", "measure", "regenerating"):
         value = getattr(forget, name)

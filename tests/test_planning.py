@@ -21,10 +21,11 @@ from forget import schedules as P
 from forget.engine import InTurn
 from forget.models import build_model
 from forget.planning import (
+    FixedClock,
     Plan,
     PlannedSequential,
     Planner,
-    _clock,
+    WallClock,
     _targets,
     _timing,
 )
@@ -61,7 +62,7 @@ def _step(model, x, target, seed=5):
 def _rounds_of(stand_in):
     """A `time_rounds` stand-in: three rounds of the medians ``stand_in`` gives."""
 
-    def rounds(target, runners, repeats):
+    def rounds(target, runners, repeats, clock=None):
         return {k: [v] * 3 for k, v in stand_in(target, runners, repeats).items()}
 
     return rounds
@@ -89,8 +90,7 @@ def _peak(model, x, target) -> int:
 def planned(request):
     name = request.param
     model, x, target = _model(name)
-    with _clock.using(_clock.FixedClock()):
-        return name, model, x, target, Planner(model, (x, target), repeats=1)
+    return name, model, x, target, Planner(model, (x, target), repeats=1, clock=FixedClock())
 
 
 def test_measured_peak_fits_every_budget_and_gradients_match(planned):
@@ -154,7 +154,7 @@ def test_plan_is_the_fastest_measured_of_the_fitting_candidates(tagged, planned,
     _, _, _, _, planner = planned
     timed: list[tuple] = []
 
-    def stand_in(target, runners, repeats):
+    def stand_in(target, runners, repeats, clock=None):
         assert target is planner.target
         timed.extend(r.items for r in runners.values())
         return {key: float(str(r.items).count("Region")) for key, r in runners.items()}
@@ -187,7 +187,7 @@ def test_the_measured_fastest_displaces_the_predicted_only_when_consistently_fas
     planner = Planner(model, (x, target), repeats=5)
     seen: dict = {}
 
-    def stand_in(target, runners, repeats):
+    def stand_in(target, runners, repeats, clock=None):
         assert repeats == 5
         seen.update({k: r.items for k, r in runners.items()})
         rounds = {k: [2.0] * 5 for k in runners}
@@ -213,7 +213,7 @@ def test_a_challenger_must_win_fresh_rounds_too(tagged, monkeypatch):
     calls: list[list] = []
     seen: dict = {}
 
-    def stand_in(target, runners, repeats):
+    def stand_in(target, runners, repeats, clock=None):
         calls.append(sorted(runners))
         seen.update({k: r.items for k, r in runners.items()})
         rounds = {k: [2.0] * 3 for k in runners}
@@ -232,7 +232,7 @@ def test_overheads_pair_each_round_with_its_own_plain_step(monkeypatch):
     # overhead. Medians alone would give 2.2 / 1.0 - 1 = +120 %; paired, +10 %.
     seen = {}
 
-    def rounds(target, runners, repeats):
+    def rounds(target, runners, repeats, clock=None):
         seen["repeats"] = repeats
         plain = next(k for k, r in runners.items() if r is None)
         return {k: [1.0, 1.0, 2.0] if k is plain else [1.1, 2.2, 2.2] for k in runners}
@@ -253,9 +253,9 @@ def test_a_region_ending_the_chain_is_kept_when_that_fits(tagged, planned, monke
     timed: list[tuple] = []
     real = _planner.time_rounds
 
-    def spy(target, runners, repeats):
+    def spy(target, runners, repeats, clock=None):
         timed.extend(r.items for r in runners.values())
-        return real(target, runners, 1)
+        return real(target, runners, 1, clock=clock)
 
     monkeypatch.setattr(_planner, "time_rounds", spy)
     budget = planner.plan(planner.plain_peak).min_feasible_bytes
@@ -289,7 +289,7 @@ def test_a_larger_budget_has_the_smaller_budgets_proposals_among_its_candidates(
     assert peak < planner.plain_peak
     timed: list[tuple] = []
 
-    def stand_in(target, runners, repeats):
+    def stand_in(target, runners, repeats, clock=None):
         timed.extend(r.items for r in runners.values())
         return {k: 0.0 if r.items == odd.items else 1.0 for k, r in runners.items()}
 
@@ -463,7 +463,7 @@ def test_every_stage_under_an_option_is_a_measured_baseline(tagged, monkeypatch)
     peak = planner.trials.peak(P.Schedule.from_items(planner.chain, every))
     assert peak < planner.plain_peak
 
-    def stand_in(target, runners, repeats):
+    def stand_in(target, runners, repeats, clock=None):
         return {k: -str(r.items).count("matmuls") for k, r in runners.items()}
 
     monkeypatch.setattr(_planner, "time_rounds", _rounds_of(stand_in))
@@ -631,11 +631,10 @@ def test_profile_charges_a_fixed_cost_per_region(monkeypatch):
     # On a clock whose figures are known, each comes out exactly.
     model, x, target = _model("residual_mlp")
     clock = _CountingClock(monkeypatch)
-    with _clock.using(clock):
-        chain = forget.profile_chain(model, x, target, repeats=1)
-        # One block: a Sequential of a Linear and a Tanh (whose saved output is forgotten).
-        block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-        one = forget.profile_chain([block], torch.randn(2, 4), repeats=1)
+    chain = forget.profile_chain(model, x, target, repeats=1, clock=clock)
+    # One block: a Sequential of a Linear and a Tanh (whose saved output is forgotten).
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    one = forget.profile_chain([block], torch.randn(2, 4), repeats=1, clock=clock)
     assert clock.regions > 0
     assert chain.region_overhead_s == pytest.approx(clock.region_s)
     assert one.region_overhead_s == pytest.approx(clock.region_s)
@@ -873,7 +872,7 @@ def test_the_fixed_cost_of_a_region_is_the_median_over_spread_pairs(monkeypatch)
         _timing, "run_region", lambda fn, args, kwargs: seen.append(args[0]) or fn(*args)
     )
     held = {i: inputs[i] for i in _timing._pair_starts(len(blocks))}  # as _profile holds them
-    region_s = _timing._region_overhead_s(blocks, held, stages, repeats=1)
+    region_s = _timing._region_overhead_s(blocks, held, stages, 1, WallClock())
     # Pairs (0, 1), (2, 3), (6, 7), (8, 9): 5 disjoint pairs, 4 spread over them.
     assert sorted(held) == [0, 2, 6, 8]
     assert [next(i for i, x in enumerate(inputs) if x is h) for h in seen] == [0, 2, 6, 8]

@@ -3,8 +3,10 @@
 The models (tests/_tree_models.py) are built from tiny configs (no downloads): a
 nested model of our own (an encoder stack whose layers take a keyword argument),
 and Hugging Face's Llama, BERT (dropout on) and ResNet (BatchNorm). Each is planned
-once per module at 75 % and 50 % of its plain peak and at its least feasible budget,
-on a clock that runs nothing (conftest.py: times do not matter here, bytes do); each
+once per module at 75 % and 50 % of its plain peak (where 50 % is out of reach, at
+the budget its error names) and at its least feasible budget, on a clock that runs
+nothing (`FixedClock`: times do not matter here, bytes do; the wall clock's choice
+among fitting plans is tested below); each
 plan's step is measured again by the allocator and run against the plain step, and
 its plan is applied, removed and saved as JSON. Candidates, figures and the
 structure check: test_tree_plan_candidates.py; inputs, loss and bad input:
@@ -25,11 +27,9 @@ from torch import nn
 import forget
 from _tree_models import MODELS, _allocator_peak, _step
 from forget import BudgetInfeasibleError, TreePlan
-from forget.planning import TreePlanner, _clock
-from forget.planning._tree.apply import RegionForward
+from forget.planning import FixedClock, TreePlanner, WallClock
 from forget.planning._tree.search import choices_key as _key
-
-pytestmark = pytest.mark.usefixtures("fixed_clock")
+from forget.regions import RegionForward
 
 BUDGETS = ("75%", "50%", "least")
 
@@ -43,39 +43,45 @@ class Planned:
     model: nn.Module  # as planned: never applied to, compared against
     inputs: dict[str, Any]
     planner: TreePlanner
-    plans: dict[str, TreePlan | BudgetInfeasibleError]
+    plans: dict[str, TreePlan]
+    errors: dict[str, BudgetInfeasibleError]  # a budget out of reach: what it raised
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def planned(request: pytest.FixtureRequest) -> Planned:
     model, inputs = MODELS[request.param]()
-    with _clock.using(_clock.FixedClock()):
-        planner = TreePlanner(model, (), inputs, repeats=1)
-        plans: dict[str, TreePlan | BudgetInfeasibleError] = {}
-        for budget in BUDGETS:
-            if budget == "least":
-                plans[budget] = planner.plan(planner.least())
-                continue
-            try:
-                plans[budget] = planner.plan(budget)
-            except BudgetInfeasibleError as error:
-                plans[budget] = error
-    return Planned(request.param, model, inputs, planner, plans)
+    planner = TreePlanner(model, (), inputs, repeats=1, clock=FixedClock())
+    plans: dict[str, TreePlan] = {}
+    errors: dict[str, BudgetInfeasibleError] = {}
+    for budget in ("75%", "50%"):
+        try:
+            plans[budget] = planner.plan(budget)
+        except BudgetInfeasibleError as error:
+            # Out of reach: planned at the budget the error names, which must plan
+            # (`test_an_infeasible_budget_names_one_that_plans`).
+            errors[budget] = error
+            plans[budget] = planner.plan(error.min_feasible_bytes)
+    plans["least"] = planner.plan(planner.least())
+    return Planned(request.param, model, inputs, planner, plans, errors)
 
 
 def _plan(planned: Planned, budget: str) -> TreePlan:
-    plan = planned.plans[budget]
-    if isinstance(plan, BudgetInfeasibleError):
-        # Only 50 % may be out of reach; then the error names the least measured, or,
-        # where a step that might need less passed the budget, a budget measured to fit.
-        assert budget == "50%"
-        least = planned.plans["least"]
-        assert isinstance(least, TreePlan)
-        assert plan.min_feasible_bytes >= least.min_feasible_bytes > plan.budget_bytes
-        if plan.min_feasible_bytes > least.min_feasible_bytes:
-            assert "steps that may need less passed this budget" in str(plan)
-        pytest.skip(f"50 % is below the least feasible budget ({plan.min_feasible_bytes:,} B)")
-    return plan
+    return planned.plans[budget]
+
+
+def test_an_infeasible_budget_names_one_that_plans(planned):
+    least = planned.plans["least"]
+    assert "75%" not in planned.errors  # 75 % of the plain peak is in reach on every model
+    for budget, error in planned.errors.items():
+        # The error names the least measured, or, where a step that might need less
+        # passed the budget, a budget measured to fit; planning there works at once.
+        assert error.min_feasible_bytes >= least.min_feasible_bytes > error.budget_bytes
+        assert error.budget_bytes == forget.schedules.parse_budget(budget, least.plain_peak_bytes)
+        if error.min_feasible_bytes > least.min_feasible_bytes:
+            assert "steps that may need less passed this budget" in str(error)
+        plan = planned.plans[budget]
+        assert plan.budget_bytes == error.min_feasible_bytes
+        assert plan.measured_peak_bytes <= plan.budget_bytes
 
 
 # ------------------------------------------------------------------ budgets
@@ -94,7 +100,7 @@ def test_allocator_peak_of_the_planned_step_is_within_the_budget(planned, budget
     assert peak == again <= plan.measured_peak_bytes <= plan.budget_bytes
     assert plan.budget_bytes < plan.plain_peak_bytes
     assert plan.choices  # something is forgotten below the plain peak
-    if budget != "least":
+    if budget != "least" and budget not in planned.errors:
         assert plan.budget_bytes == forget.schedules.parse_budget(budget, plan.plain_peak_bytes)
 
 
@@ -127,30 +133,49 @@ def test_the_least_is_searched_for_only_where_wanted():
     # NOTE [least on demand]: a budget the search fits measures neither assignment of
     # least memory; the plan says its least is a budget measured to fit.
     model, inputs = MODELS["net"]()
-    with _clock.using(_clock.FixedClock()):
-        planner = TreePlanner(model, (), inputs, repeats=1)
-        plan = planner.plan("75%")
-        scan = [planner.choices_at(0), planner.baseline()]
-        assert not any(_key(choices) in planner.measured for choices in scan)
-        assert not plan.least_searched
-        peaks = [peak for _, peak in planner.measured.values()]
-        assert plan.min_feasible_bytes == min(peaks) <= plan.measured_peak_bytes
-        assert "least budget measured to fit" in str(plan)
-        assert TreePlan.from_dict(plan.to_dict()) == plan
-        # A budget nothing fits: both are tried, under that budget, which stops them.
-        with pytest.raises(BudgetInfeasibleError) as error:
-            planner.plan(plan.plain_peak_bytes // 10)
-        assert all(_key(choices) in planner.stopped for choices in scan)
-        assert error.value.min_feasible_bytes == plan.min_feasible_bytes  # known to fit
-        assert not planner.plan("75%").least_searched
-        least = planner.least()  # under the predicted plain peak (no budget given): measured
-        assert planner.least_searched() and least <= plan.min_feasible_bytes
-        again = planner.plan("75%")
-        assert again.least_searched and again.min_feasible_bytes == least
-        assert "least feasible budget" in str(again)
-        with pytest.raises(BudgetInfeasibleError) as error:
-            planner.plan(least - 1)
-        assert error.value.min_feasible_bytes == least
+    planner = TreePlanner(model, (), inputs, repeats=1, clock=FixedClock())
+    plan = planner.plan("75%")
+    scan = [planner.choices_at(0), planner.baseline()]
+    assert not any(_key(choices) in planner.measured for choices in scan)
+    assert not plan.least_searched
+    peaks = [peak for _, peak in planner.measured.values()]
+    assert plan.min_feasible_bytes == min(peaks) <= plan.measured_peak_bytes
+    assert "least budget measured to fit" in str(plan)
+    assert TreePlan.from_dict(plan.to_dict()) == plan
+    # A budget nothing fits: both are tried, under that budget, which stops them.
+    with pytest.raises(BudgetInfeasibleError) as error:
+        planner.plan(plan.plain_peak_bytes // 10)
+    assert all(_key(choices) in planner.stopped for choices in scan)
+    assert error.value.min_feasible_bytes == plan.min_feasible_bytes  # known to fit
+    assert not planner.plan("75%").least_searched
+    least = planner.least()  # under the predicted plain peak (no budget given): measured
+    assert planner.least_searched() and least <= plan.min_feasible_bytes
+    again = planner.plan("75%")
+    assert again.least_searched and again.min_feasible_bytes == least
+    assert "least feasible budget" in str(again)
+    with pytest.raises(BudgetInfeasibleError) as error:
+        planner.plan(least - 1)
+    assert error.value.min_feasible_bytes == least
+
+
+@pytest.mark.parametrize("budget", ["75%", "50%"])
+def test_on_the_wall_clock_the_plan_is_one_measured_to_fit_and_runs_exactly(budget):
+    # Times are real here, so which fitting assignment wins varies from run to run
+    # (NOTE [tree plans measured]): the choice is exercised; only what holds for any
+    # winner is asserted.
+    model, inputs = MODELS["net"]()
+    planner = TreePlanner(model, (), inputs, repeats=1, clock=WallClock())
+    plan = planner.plan(budget)
+    fitting = [choices for choices, peak in planner.measured.values() if peak <= plan.budget_bytes]
+    assert plan.choices in fitting
+    assert plan.measured_peak_bytes <= plan.budget_bytes < plan.plain_peak_bytes
+    assert plan.measured_peak_bytes == planner.measured[_key(plan.choices)][1]
+    plain = copy.deepcopy(model)
+    planned = plan.apply(copy.deepcopy(model))
+    loss, grads, _ = _step(planned, inputs)
+    loss0, grads0, _ = _step(plain, inputs)
+    assert torch.equal(loss, loss0) and grads.keys() == grads0.keys()
+    assert all(torch.equal(grads[n], grads0[n]) for n in grads0)
 
 
 def test_planning_leaves_the_model_as_it_was(planned):

@@ -30,9 +30,9 @@ from _tree_models import (
 from forget import TreePlan
 from forget import policies as policies_
 from forget.planning import DEFAULT_OPTIONS, TreePlanner
-from forget.planning._tree.candidates import find_candidates, first_difference
 from forget.planning._tree.search import choices_key as _key
 from forget.planning._tree.search import drop_regions, search_frontier
+from forget.regions import find_candidates, first_difference
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from _tree_models import MODELS
-from forget.planning import TreePlanner, _clock
+from forget.planning import FixedClock, TreePlanner, WallClock, _clock
 from forget.planning._tree import alone
-from forget.planning._tree.candidates import ROOT
 from forget.planning._tree.step import TreeStep
+from forget.regions import ROOT
 
 
 class _Pair(nn.Module):
@@ -46,8 +46,7 @@ class _Net(nn.Module):
 def ticks(monkeypatch):
     counter = itertools.count()
     monkeypatch.setattr(_clock.time, "perf_counter", lambda: float(next(counter)))
-    with _clock.using(_clock.WallClock()):
-        yield
+    return WallClock()
 
 
 def test_each_candidate_spans_what_runs_inside_it(ticks):
@@ -55,7 +54,7 @@ def test_each_candidate_spans_what_runs_inside_it(ticks):
     step = TreeStep(model, (torch.randn(3, 4),), {}, None)
     names = ["one", "one.a", "one.b", "two", "two.a", "two.b", "head"]
     rep_of = {name: name for name in names}
-    times = alone.forward_times(step, names, rep_of, repeats=3)
+    times = alone.forward_times(step, names, rep_of, 3, ticks)
     assert times == {
         "one": 5.0,
         "one.a": 1.0,
@@ -66,7 +65,7 @@ def test_each_candidate_spans_what_runs_inside_it(ticks):
         "head": 1.0,
     }
     # Only the modules named are timed: without the inner ones, a pair spans one tick.
-    assert alone.forward_times(step, ["one", "two"], {"one": "one", "two": "one"}, 1) == {
+    assert alone.forward_times(step, ["one", "two"], {"one": "one", "two": "one"}, 1, ticks) == {
         "one": 1.0,
         "two": 1.0,
     }
@@ -77,8 +76,9 @@ def test_alike_modules_share_the_median_of_their_times(monkeypatch):
     model = _Net()
     step = TreeStep(model, (torch.randn(3, 4),), {}, None)
     rounds = iter([{"one": 1.0, "two": 3.0}, {"one": 2.0, "two": 8.0}, {"one": 1.5, "two": 3.0}])
-    monkeypatch.setattr(alone, "spans", lambda fn, modules, sync: next(rounds))
-    times = alone.forward_times(step, ["one", "two"], {"one": "one", "two": "one"}, 3)
+    clock = FixedClock()
+    monkeypatch.setattr(clock, "spans", lambda fn, modules, sync: next(rounds))
+    times = alone.forward_times(step, ["one", "two"], {"one": "one", "two": "one"}, 3, clock)
     assert times == {"one": 2.5, "two": 2.5}  # the median of 1, 3, 2, 8, 1.5 and 3
 
 
@@ -89,14 +89,14 @@ def test_forwards_run_without_grad_and_the_profile_leaves_the_model_as_it_was(ti
     x = torch.randn(5, 4)
     step = TreeStep(model, (x,), {}, lambda out: out.sum())
     names = ["0", "1", "2"]
-    assert alone.forward_times(step, names, {n: n for n in names}, 2) == dict.fromkeys(names, 1.0)
+    times = alone.forward_times(step, names, {n: n for n in names}, 2, ticks)
+    assert times == dict.fromkeys(names, 1.0)
     assert seen == [False, False]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    TreePlanner(model, (x,), loss_fn=lambda out: out.sum(), repeats=2)
+    TreePlanner(model, (x,), loss_fn=lambda out: out.sum(), repeats=2, clock=ticks)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.usefixtures("fixed_clock")
 def test_only_the_innermost_kinds_are_captured(monkeypatch):
     captured = []
     original = alone._capture
@@ -107,7 +107,7 @@ def test_only_the_innermost_kinds_are_captured(monkeypatch):
 
     monkeypatch.setattr(alone, "_capture", counted)
     model, inputs = MODELS["resnet"]()
-    planner = TreePlanner(model, (), inputs, repeats=1)
+    planner = TreePlanner(model, (), inputs, repeats=1, clock=FixedClock())
     nodes = [n for n in _nodes(planner.tree.root) if n.name != ROOT]
     inner = [n.name for n in nodes if not n.children]
     outer = [n.name for n in nodes if n.children]

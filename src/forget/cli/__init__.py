@@ -2,11 +2,20 @@
 
 Each subcommand lives in its own module and is imported only when it runs,
 so ``forget --help`` stays fast and optional extras stay optional.
+
+NOTE [kineto's log]: torch's profiler library (kineto), which measures the
+allocator's peak on CPU, writes a ``USDT: ... profiler_start`` and a
+``... profiler_stop`` line to file descriptor 2 around every measured step,
+across the progress bar and past ``--quiet``. ``KINETO_LOG_LEVEL=6`` silences
+them when set before the process's first profiler starts. Only the process's
+owner may set that, so the command line does, at its entry, where the user has
+not set it; the library leaves the environment and the descriptors alone.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +40,7 @@ def _usage() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the process exit status."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # NOTE [kineto's log]
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())

@@ -130,7 +130,7 @@ class ChunkedLoss:
         last_chunks: the count the latest call used (``None`` before any).
     """
 
-    def __init__(self, model: nn.Module, chunks: int | None) -> None:
+    def __init__(self, model: Any, chunks: int | None) -> None:
         if "forward" in model.__dict__ and not isinstance(model.__dict__["forward"], _HeadForward):
             raise ValueError(
                 f"forget: {type(model).__name__}'s forward is wrapped already (by a forget "
@@ -138,7 +138,7 @@ class ChunkedLoss:
                 "chunked head inside the step, so call chunk_loss first: remove the plan "
                 "or cap, call chunk_loss(model), then plan or cap again."
             )
-        self.model = model
+        self.model: Any = model  # a transformers PreTrainedModel
         self.chunks = chunks
         self.last_chunks: int | None = None
         self._checked = False
@@ -275,7 +275,8 @@ class ChunkedLoss:
         hidden: torch.Tensor,
         logits: Any,
     ) -> None:
-        """The model's logits of its last position are the chunked head's (NOTE [the head in chunks])."""
+        """The model's own logits of its last position are the chunked head's (NOTE [the
+        head in chunks]); a TypeError where not."""
         with torch.no_grad():
             ours = _logits(*head, hidden[:, -1:, :])
         if not (
@@ -346,7 +347,7 @@ def _check_chunks(chunks: Any) -> None:
         )
 
 
-def _causal_lm(model: Any) -> nn.Module:
+def _causal_lm(model: Any) -> Any:
     """``model`` (or its PEFT base) as a causal LM chunk_loss can serve; TypeError where not."""
     try:
         from transformers import PreTrainedModel

@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import bisect
 import gc
-import os
-import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -136,7 +133,7 @@ def _run_profiler(fn: Callable[..., Any], args: Any, kwargs: Any) -> MemoryRepor
     thread = threading.get_ident()
     _WAITING[thread] = []  # NOTE [records within a measure]
     try:
-        with _without_kineto_log(), profile(activities=activities, profile_memory=True) as prof:
+        with profile(activities=activities, profile_memory=True) as prof:
             result = fn(*args, **kwargs)
             gc.collect()
     finally:
@@ -293,9 +290,8 @@ class AllocatorRecord:
             config = prof.config()
         activities = {ProfilerActivity.CPU}
         scopes = {RecordScope.BACKWARD_FUNCTION, RecordScope.USER_SCOPE}
-        with _without_kineto_log():  # the start alone: the user's stderr flows meanwhile
-            autograd_profiler._prepare_profiler(config, activities)
-            autograd_profiler._enable_profiler(config, activities, scopes)  # type: ignore[call-arg]
+        autograd_profiler._prepare_profiler(config, activities)
+        autograd_profiler._enable_profiler(config, activities, scopes)  # type: ignore[call-arg]
         self.running = True
         _OPEN[threading.get_ident()] = self
         return True
@@ -313,8 +309,7 @@ class AllocatorRecord:
         if not self.running or self.borrowed:  # a borrowed record hears when `measure` ends
             return AllocatorReading([], {})
         _OPEN.pop(threading.get_ident(), None)
-        with _without_kineto_log():
-            results = autograd_profiler._disable_profiler()
+        results = autograd_profiler._disable_profiler()
         tree = results.experimental_event_tree()
         memory, _, marks = _read_tree(tree)
         reading = AllocatorReading.of(memory, marks)
@@ -373,51 +368,6 @@ def stop_open_record() -> None:
     record = _OPEN.get(threading.get_ident())
     if record is not None and record.lingers:
         record.stop()
-
-
-@contextmanager
-def _without_kineto_log() -> Iterator[None]:
-    """Keep the profiler's own log lines off stderr (NOTE [kineto's log]).
-
-    NOTE [kineto's log]: torch's profiler library (kineto) writes a line to file
-    descriptor 2 as each profiler starts and stops (``... profiler_start``), two per
-    measured step, across the progress bar and past ``--quiet``. ``sys.stderr``
-    never sees them (C++ writes the descriptor), so the descriptor itself is pointed
-    at a temporary file around the probe, and whatever else came there meanwhile (a
-    warning of the user's step) is written back after it, in order, without
-    kineto's lines. ``KINETO_LOG_LEVEL=6`` silences them too, but only when set
-    before the process's first profiler starts, which a library called after its
-    user's own profiling cannot promise.
-    """
-    try:
-        _flush_stderr()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no descriptor 2 (a windowless process): nothing to keep off
-        yield
-        return
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            try:
-                _flush_stderr()
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
-            tmp.seek(0)
-            kept = [line for line in tmp.readlines() if not line.startswith(_KINETO_LOG)]
-            if kept:
-                os.write(2, b"".join(kept))
-
-
-_KINETO_LOG = b"USDT:"
-
-
-def _flush_stderr() -> None:
-    """Write out what Python buffered for stderr, so that it lands before the switch."""
-    if sys.stderr is not None:
-        sys.stderr.flush()
 
 
 def _read_tree(

@@ -7,17 +7,20 @@ One room per planner, and what both use beside them:
   schedule over blocks with its measured figures; it runs, saves and loads),
   `planner` (`plan` and the `Planner` behind it, NOTE [measured, not
   predicted]; a model that is no chain goes to the tree's room).
-- `_tree`, the planner of any module tree: `step`, `candidates`, `profile`
-  (with `alone`, a module alone on real inputs): the step of any module, its
-  candidate regions (NOTE [tree candidates]) and their figures as a
-  `forget.schedules.Tree` (NOTE [tree figures]); `apply`: regions as wrapped
-  instance forwards (NOTE [instance forward]); `plan`: `TreePlan`;
-  `planner`: `TreePlanner` (NOTE [tree plans measured]).
+- `_tree`, the planner of any module tree: `step`, `profile` (with `alone`,
+  a module alone on real inputs): the step of any module and its candidate
+  regions' figures as a `forget.schedules.Tree` (NOTE [tree figures]);
+  `apply`: a plan's choices on the regions' instance forwards; `plan`:
+  `TreePlan`; `planner`: `TreePlanner` (NOTE [tree plans measured]).
+- From `forget.regions`, below this package and the cap: the candidates
+  (NOTE [tree candidates]), `DEFAULT_OPTIONS` and the one region wrapper
+  (NOTE [instance forward]).
 - Shared: `_targets` (what a plan runs: a model or blocks as a chain of
   stages, one loss; the stages a block offers; options checked), `_timing`
   (callables timed in interleaved rounds, medians of paired rounds, a
-  region's fixed cost), `_clock`, `_guard` (NOTE [guarded steps]), `_heap`
-  (NOTE [freed heap]) and `_json`.
+  region's fixed cost), `_clock` (the clock times are read on, passed as
+  a parameter: `WallClock`, or a test's `FixedClock`), `_guard` (NOTE
+  [guarded steps]) and `_json`.
 
 The rooms import the shared modules and, where the chain planner hands a
 module tree over, each other's modules; they are all this package's own.
@@ -25,12 +28,18 @@ The pure algorithms live in `forget.schedules`, which imports no torch. Other
 packages import the names below, never the underscore modules.
 """
 
+# The model tree's facts the planner takes as its defaults (`forget.regions`).
+from ..regions import DEFAULT_OPTIONS as DEFAULT_OPTIONS
+from ..regions import find_candidates as find_candidates
 from ._chain.plan import Plan as Plan
 from ._chain.plan import PlannedSequential as PlannedSequential
 from ._chain.plan import run_items as run_items
 from ._chain.planner import Planner as Planner
 from ._chain.planner import plan as plan
 from ._chain.profile import profile_chain as profile_chain
+from ._clock import Clock as Clock
+from ._clock import FixedClock as FixedClock
+from ._clock import WallClock as WallClock
 from ._targets import untouched as untouched
 from ._targets import zero_grads as zero_grads
 from ._timing import paired_overheads as paired_overheads
@@ -39,18 +48,19 @@ from ._timing import time_calls as time_calls
 from ._timing import time_rounds as time_rounds
 from ._timing import time_side_by_side as time_side_by_side
 from ._tree.apply import is_wrapped as is_wrapped
-from ._tree.candidates import find_candidates as find_candidates
-from ._tree.plan import DEFAULT_OPTIONS as DEFAULT_OPTIONS
 from ._tree.plan import TreePlan as TreePlan
 from ._tree.planner import TreePlanner as TreePlanner
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "Clock",
+    "FixedClock",
     "Plan",
     "PlannedSequential",
     "Planner",
     "TreePlan",
     "TreePlanner",
+    "WallClock",
     "find_candidates",
     "is_wrapped",
     "paired_overheads",

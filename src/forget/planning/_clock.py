@@ -1,22 +1,23 @@
-"""The clock planning times with: the wall clock, or one a test puts in its place.
+"""The clock planning times with: a parameter, the wall clock unless a caller passes one.
 
-Every time the planner and the profiler read (`_timing`, `_profile`) is the
-``elapsed(fn)`` of a call: run ``fn``, return the seconds it took; or the
-``spans(fn, modules)`` of one: the seconds each module's call took within it.
-The wall clock (`WallClock`, the default) does exactly that. A test that checks what
-planning does with bytes, schedules or gradients, not with times, can put a
-`FixedClock` in place (`using`): it runs nothing and reports the same seconds
-for every call, so profiling and the planner's side-by-side timing cost no
-steps, and the times, hence the choices made on them, repeat exactly. Only
-timing is skipped: every byte figure still comes from a measured run.
+Every time the planner and the profiler read (`_timing`, `_profile`) is a
+clock's ``elapsed(fn)`` of a call: run ``fn``, return the seconds it took; or
+its ``spans(fn, modules)`` of one: the seconds each module's call took within
+it. The wall clock (`WallClock`, the default) does exactly that. The clock is
+handed down as an argument (``TreePlanner(..., clock=...)``,
+``time_calls(..., clock=...)``), never kept in a module: a test that checks
+what planning does with bytes, schedules or gradients, not with times, passes a
+`FixedClock`, which runs nothing and reports the same seconds for every call,
+so profiling and the side-by-side timing cost no steps, and the times, hence
+the choices made on them, repeat exactly. Only timing is skipped: every byte
+figure still comes from a measured run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol
 
 import torch
 from torch import nn
@@ -98,27 +99,5 @@ class FixedClock:
         return dict.fromkeys(modules, self.seconds)
 
 
-_clock: Clock = WallClock()
-
-
-def elapsed(fn: Callable[[], object]) -> float:
-    """The seconds ``fn()`` takes, on the clock in use."""
-    return _clock.elapsed(fn)
-
-
-def spans(
-    fn: Callable[[], object], modules: Mapping[str, nn.Module], sync: bool = False
-) -> dict[str, float]:
-    """The seconds each of ``modules`` takes within one ``fn()``, on the clock in use."""
-    return _clock.spans(fn, modules, sync)
-
-
-@contextlib.contextmanager
-def using(clock: Clock) -> Iterator[Clock]:
-    """Time with ``clock`` inside the block, then with the clock before it again."""
-    global _clock
-    before, _clock = _clock, clock
-    try:
-        yield clock
-    finally:
-        _clock = before
+#: The wall clock, the default of every function that times (stateless: never replaced).
+WALL_CLOCK: Final[Clock] = WallClock()

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import schedules as P
 from ..engine import run_region
-from ._clock import elapsed
+from ._clock import WALL_CLOCK, Clock
 from ._targets import Block, _Target, untouched, zero_grads
 
 K = TypeVar("K")
@@ -21,8 +21,8 @@ K = TypeVar("K")
 # ---------------------------------------------------------------- profiling
 
 
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-    return statistics.median(elapsed(fn) for _ in range(repeats))
+def _median_s(fn: Callable[[], Any], repeats: int, clock: Clock) -> float:
+    return statistics.median(clock.elapsed(fn) for _ in range(repeats))
 
 
 def _step_of(forward: Callable[[], Any]) -> Callable[[], None]:
@@ -36,13 +36,15 @@ def _step_of(forward: Callable[[], Any]) -> Callable[[], None]:
     return step
 
 
-def _step_timer(forward: Callable[[], Any], clear: Callable[[], None]) -> Callable[[], float]:
-    """Time one forward and backward (gradient of ones) of ``forward``."""
+def _step_timer(
+    forward: Callable[[], Any], clear: Callable[[], None], clock: Clock
+) -> Callable[[], float]:
+    """Time one forward and backward (gradient of ones) of ``forward`` on ``clock``."""
     step = _step_of(forward)
 
     def timed() -> float:
         clear()
-        return elapsed(step)
+        return clock.elapsed(step)
 
     return timed
 
@@ -70,8 +72,9 @@ def time_calls(
     *,
     prepare: Callable[[K], object] | None = None,
     warm_up: bool = True,
+    clock: Clock = WALL_CLOCK,
 ) -> dict[K, list[float]]:
-    """Wall times of each call, round by round, timed side by side.
+    """Times of each call on ``clock`` (the wall clock), round by round, side by side.
 
     One warm-up round (unless ``warm_up`` is false: every call ran before in
     the process), then ``repeats`` rounds, each running every call once, so
@@ -94,14 +97,18 @@ def time_calls(
         for key in order:
             if prepare is not None:
                 prepare(key)
-            seconds = elapsed(calls[key])
+            seconds = clock.elapsed(calls[key])
             if round_ or not warm_up:
                 times[key].append(seconds)
     return times
 
 
 def time_rounds(
-    target: _Target, runners: Mapping[Any, Block | None], repeats: int
+    target: _Target,
+    runners: Mapping[Any, Block | None],
+    repeats: int,
+    *,
+    clock: Clock = WALL_CLOCK,
 ) -> dict[Any, list[float]]:
     """Step times of each runner (``None``: plain) on ``target``, round by round (`time_calls`).
 
@@ -110,18 +117,23 @@ def time_rounds(
     """
     steps = {key: functools.partial(target.step, runner) for key, runner in runners.items()}
     with untouched(target):
-        return time_calls(steps, repeats, prepare=lambda _: zero_grads(target))
+        return time_calls(steps, repeats, prepare=lambda _: zero_grads(target), clock=clock)
 
 
 def time_side_by_side(
-    target: _Target, runners: Mapping[Any, Block | None], repeats: int
+    target: _Target,
+    runners: Mapping[Any, Block | None],
+    repeats: int,
+    *,
+    clock: Clock = WALL_CLOCK,
 ) -> dict[Any, float]:
     """Median step time of each runner (``None``: plain), timed side by side (`time_rounds`)."""
-    return {key: statistics.median(ts) for key, ts in time_rounds(target, runners, repeats).items()}
+    rounds = time_rounds(target, runners, repeats, clock=clock)
+    return {key: statistics.median(ts) for key, ts in rounds.items()}
 
 
 def paired_overheads(
-    target: _Target, runners: Mapping[Any, Block], repeats: int
+    target: _Target, runners: Mapping[Any, Block], repeats: int, *, clock: Clock = WALL_CLOCK
 ) -> dict[Any, list[float]]:
     """Step-time overhead of each runner over the plain step, round by round.
 
@@ -135,7 +147,7 @@ def paired_overheads(
     plan`'s range of the middle runs).
     """
     plain = object()
-    rounds = time_rounds(target, {plain: None, **runners}, repeats)
+    rounds = time_rounds(target, {plain: None, **runners}, repeats, clock=clock)
     base = rounds.pop(plain)
     return {key: [t / b - 1 for t, b in zip(ts, base, strict=True)] for key, ts in rounds.items()}
 
@@ -203,7 +215,11 @@ def ratio_range(
 
 
 def _region_overhead_s(
-    blocks: Sequence[Block], inputs: Mapping[int, Tensor], stages: Sequence[P.Stage], repeats: int
+    blocks: Sequence[Block],
+    inputs: Mapping[int, Tensor],
+    stages: Sequence[P.Stage],
+    repeats: int,
+    clock: Clock,
 ) -> float:
     """The fixed cost of one region, the median over pairs of neighbouring blocks.
 
@@ -220,9 +236,13 @@ def _region_overhead_s(
     if len(blocks) < 2:
         x = torch.ones(1, device=inputs[0].device, requires_grad=True)
         tiny = functools.partial(torch.mul, other=2.0)
+
+        def clear_x() -> None:
+            x.grad = None
+
         return _alternating_median_difference(
-            _step_timer(lambda: run_region(tiny, (x,), {}), lambda: setattr(x, "grad", None)),
-            _step_timer(lambda: tiny(x), lambda: setattr(x, "grad", None)),
+            _step_timer(lambda: run_region(tiny, (x,), {}), clear_x, clock),
+            _step_timer(lambda: tiny(x), clear_x, clock),
             max(9, 3 * repeats),
         )
     estimates = []
@@ -240,8 +260,8 @@ def _region_overhead_s(
             return out
 
         extra_pair = _alternating_median_difference(
-            _step_timer(lambda: run_region(pair, (h,), {}), clear),  # noqa: B023
-            _step_timer(lambda: pair(h), clear),  # noqa: B023
+            _step_timer(lambda: run_region(pair, (h,), {}), clear, clock),  # noqa: B023
+            _step_timer(lambda: pair(h), clear, clock),  # noqa: B023
             max(9, repeats),
         )
         estimates.append(stages[i].forward_nograd_s + stages[i + 1].forward_nograd_s - extra_pair)

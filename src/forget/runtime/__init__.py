@@ -8,8 +8,11 @@
   orders by name; `_reads`: what a step read from the allocator teaches (NOTE
   [what the count misses]); `_outputs`: the tensors of a step's inputs and outputs.
 
-The regions themselves are the engine's (`forget.engine.DroppableRegion`). Other
-packages import the names below, never the underscore modules.
+The regions themselves are the engine's (`forget.engine.DroppableRegion`); which
+modules are candidates, the default options and the wrapper of a module's
+forward are the model tree's (`forget.regions`), shared with the planner, of
+which this package imports nothing. Other packages import the names below,
+never the underscore modules.
 """
 
 from ._cap import Cap as Cap

@@ -2,7 +2,7 @@
 
 NOTE [a cap, not a plan]: a plan is fixed for the shapes it measured; a cap
 decides at run time, step by step, from the shapes it sees. Every candidate
-region (the tree planner's, NOTE [tree candidates], with finer regions inside
+region (the model tree's, NOTE [tree candidates], with finer regions inside
 a one-of-a-kind one, NOTE [finer regions]; or ``candidates=``) runs
 as a `forget.engine.DroppableRegion` (NOTE [droppable regions]): its saved
 tensors stay, as under plain autograd, until the runtime evicts it, and an
@@ -11,8 +11,9 @@ runtime counts the step's memory at each region boundary and evicts while
 the estimate passes the cap (NOTE [the cap's count], NOTE [eviction order]).
 The model's own forward is wrapped too: it marks the step's start and end and
 sees what autograd saves outside the regions. Like a tree plan, the cap
-changes no class and adds no submodule (NOTE [instance forward]); `Cap.remove`
-restores each forward exactly.
+changes no class and adds no submodule, through the same wrapper (NOTE
+[instance forward] in `forget.regions`); `Cap.remove` restores each forward
+exactly.
 
 NOTE [steps of known shapes]: a step whose shapes the cap has seen hold within
 it repeats the decision made then, without counting: the regions evicted then
@@ -53,8 +54,8 @@ from ..engine import (
 )
 from ..errors import ForgetError
 from ..memory import AllocatorReading
-from ..planning import find_candidates, is_wrapped
 from ..policies import Policy
+from ..regions import find_candidates, owner_of, unwrap_forward, wrap_forward
 from ..schedules import parse_budget
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
@@ -550,47 +551,29 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _CapForward:
-    """A module's forward run through the cap (NOTE [instance forward])."""
-
-    def __init__(self, module: nn.Module, call: Callable[..., Any]) -> None:
-        original = module.forward
-        functools.update_wrapper(self, original)
-        self.original = original
-        self.own = module.__dict__.get("forward")
-        self.call = call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call(self.original, args, kwargs)
-
-    def __repr__(self) -> str:
-        return f"<forget cap around {self.original!r}>"
+#: The owner a cap's wrappers carry (`forget.regions.RegionForward.owner`).
+_CAP = "cap"
 
 
 def _wrap(module: nn.Module, call: Callable[..., Any]) -> None:
-    module.__dict__["forward"] = _CapForward(module, call)
+    wrap_forward(module, call, _CAP, "cap")
 
 
 def _unwrap(module: nn.Module) -> None:
-    wrapper = module.__dict__.get("forward")
-    if not isinstance(wrapper, _CapForward):
-        return
-    if wrapper.own is None:
-        del module.__dict__["forward"]
-    else:
-        module.__dict__["forward"] = wrapper.own
+    unwrap_forward(module, _CAP)
 
 
 def _refuse_wrapped(model: nn.Module) -> None:
     for name, module in model.named_modules():
         where = f"{type(model).__name__}.{name}" if name else type(model).__name__
-        if isinstance(module.__dict__.get("forward"), _CapForward):
+        owner = owner_of(module)
+        if owner == _CAP:
             raise ForgetError(
                 f"forget: {where} runs under a cap already; one cap per model. Call "
                 "handle.remove() on the first (or handle.set_budget to change it) before "
                 "capping again."
             )
-        if is_wrapped(module) or getattr(module, "blocks_runner", None) is not None:
+        if owner is not None or getattr(module, "blocks_runner", None) is not None:
             raise ForgetError(
                 f"forget: {where} runs under a forget plan, and a cap decides what the plan "
                 "fixed; remove the plan first (plan.remove(model)), then cap the model."

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..planning import DEFAULT_OPTIONS
 from ..policies import Action, Policy
+from ..regions import DEFAULT_OPTIONS
 from ._orders import BOUND
 
 __all__ = ["BoundedKeep", "Partial", "leaf_names", "partial_policy", "with_finer"]

@@ -63,8 +63,9 @@ from ... import schedules as P
 from ...errors import BudgetInfeasibleError
 from ...memory import frozen_heap
 from ...policies import Policy
+from ...regions import CandidateSpec
+from .._clock import WALL_CLOCK, Clock
 from .._guard import guarded_peak
-from .._heap import heap_returned
 from .._targets import (
     Block,
     ChainModel,
@@ -77,7 +78,6 @@ from .._targets import (
     zero_grads,
 )
 from .._timing import fastest_of, time_rounds
-from .._tree.candidates import CandidateSpec
 from .._tree.plan import TreePlan
 from .._tree.planner import plan_tree
 from .._tree.step import TreeLossFn
@@ -304,10 +304,12 @@ def _is_tree(model: object) -> bool:
 
 
 class Planner:
-    """Profile once, then plan for several budgets, sharing the measured trials."""
+    """Profile once, then plan for several budgets, sharing the measured trials.
+
+    Times are read on ``clock`` (`WallClock`; a test's `FixedClock` runs nothing).
+    """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    @heap_returned()  # NOTE [freed heap] in `._heap`
     def __init__(
         self,
         model_or_blocks: object,
@@ -318,12 +320,18 @@ class Planner:
         repeats: int = 3,
         chain: P.Chain | None = None,
         split: bool = False,
+        clock: Clock = WALL_CLOCK,
     ) -> None:
         self.target = _target(model_or_blocks, sample_inputs, loss_fn, split)
         self.policies = _check_options(options)
         if chain is None:
             chain = profile_chain(
-                model_or_blocks, *sample_inputs, options=options, repeats=repeats, split=split
+                model_or_blocks,
+                *sample_inputs,
+                options=options,
+                repeats=repeats,
+                split=split,
+                clock=clock,
             )
         elif not isinstance(chain, P.Chain) or len(chain) != len(self.target.blocks):
             raise ValueError(
@@ -333,6 +341,7 @@ class Planner:
             )
         self.chain = chain
         self.repeats = repeats
+        self.clock = clock
         self.trials = _Trials(self.target, self.policies)
         # NOTE [monotone in the budget]: every schedule proposed so far, by its items.
         self.proposed: dict[tuple[P.Keep | P.Region, ...], P.Schedule] = {}
@@ -449,7 +458,7 @@ class Planner:
 
         def time(indices: Sequence[int]) -> dict[int, list[float]]:
             chosen = {i: runners[i] for i in indices}
-            return time_rounds(self.target, chosen, max(1, self.repeats))
+            return time_rounds(self.target, chosen, max(1, self.repeats), clock=self.clock)
 
         return candidates[fastest_of(time, len(candidates))]
 
@@ -466,7 +475,6 @@ class Planner:
             self.outside = peak - self.least_schedule.predicted_peak_bytes
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    @heap_returned()  # NOTE [freed heap] in `._heap`
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
         chain, trials = self.chain, self.trials
         if self.outside is None:

@@ -38,7 +38,7 @@ from ... import schedules as P
 from ...engine import regenerating, run_region
 from ...memory import frozen_heap, measure
 from ...policies import Policy
-from .._clock import elapsed
+from .._clock import WALL_CLOCK, Clock
 from .._targets import (
     Block,
     LossFn,
@@ -80,6 +80,7 @@ def _profile_stage(
     h: Tensor,
     policies: Mapping[str, Policy],
     repeats: int,
+    clock: Clock,
 ) -> tuple[P.Stage, Tensor]:
     params = [p for p in getattr(block, "parameters", list)() if p.requires_grad]
 
@@ -117,19 +118,19 @@ def _profile_stage(
             if not y.requires_grad:
                 return 0.0
             grad = torch.ones_like(y)
-            return elapsed(functools.partial(y.backward, grad))
+            return clock.elapsed(functools.partial(y.backward, grad))
 
         return timed
 
     def median_of(fn: Callable[[], float]) -> float:
         return statistics.median(fn() for _ in range(repeats))
 
-    forward_s = _median_s(forward_with_grad, repeats)
+    forward_s = _median_s(forward_with_grad, repeats, clock)
     backward_s = median_of(backward_of(block))
     # NOTE [time of a region]: what forgetting this stage alone costs, in full.
     nograd_s = _alternating_median_difference(
-        _step_timer(lambda: run_region(block, (h,), {}), clear),
-        _step_timer(lambda: block(h), clear),
+        _step_timer(lambda: run_region(block, (h,), {}), clear, clock),
+        _step_timer(lambda: block(h), clear, clock),
         repeats,
     )
     options = []
@@ -139,8 +140,8 @@ def _profile_stage(
         # What running the stage under the policy costs in full, as NOTE [time of a
         # region]: its forward's bookkeeping as well as the re-run in backward.
         extra_s = _alternating_median_difference(
-            _step_timer(functools.partial(run, h), clear),
-            _step_timer(lambda: block(h), clear),
+            _step_timer(functools.partial(run, h), clear, clock),
+            _step_timer(lambda: block(h), clear, clock),
             repeats,
         )
         options.append(
@@ -239,7 +240,9 @@ def _param_grad_bytes(blocks: Sequence[Block]) -> list[int]:
     return out
 
 
-def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P.Chain:
+def _profile(
+    target: _Target, policies: Mapping[str, Policy], repeats: int, clock: Clock
+) -> P.Chain:
     if not target.blocks:
         raise ValueError("forget: plan needs at least one block, got none")
     h = target.chain_input()
@@ -251,7 +254,7 @@ def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P
     for i, (name, block) in enumerate(zip(target.names, target.blocks, strict=True)):
         if i in wanted:
             inputs[i] = h
-        stage, out = _profile_stage(name, block, h, policies, repeats)
+        stage, out = _profile_stage(name, block, h, policies, repeats, clock)
         stages.append(stage)
         signatures.append(_signature(block, h, stage))
         h = out
@@ -261,7 +264,7 @@ def _profile(target: _Target, policies: Mapping[str, Policy], repeats: int) -> P
         dataclasses.replace(s, param_grad_bytes=g) for s, g in zip(stages, grads, strict=True)
     ]
     # NOTE [time of a region]: the fixed part, charged once per region.
-    region_s = _region_overhead_s(target.blocks, inputs, stages, repeats)
+    region_s = _region_overhead_s(target.blocks, inputs, stages, repeats, clock)
     stages = [
         dataclasses.replace(s, forward_nograd_s=max(0.0, s.forward_nograd_s - region_s))
         for s in stages
@@ -277,6 +280,7 @@ def profile_chain(
     options: Mapping[str, Policy | bool] | None = None,
     repeats: int = 3,
     split: bool = False,
+    clock: Clock = WALL_CLOCK,
 ) -> P.Chain:
     """Measure a chain of blocks into a `forget.schedules.Chain` of plain numbers.
 
@@ -295,6 +299,8 @@ def profile_chain(
         split: one stage per stage a block offers (NOTE [finer stages]: a
             ``forget_stages()`` method, or an ``nn.Sequential`` block's
             children), named ``block.stage``; blocks that offer none stay whole.
+        clock: what times are read on (`forget.planning.WallClock`; a test's
+            `forget.planning.FixedClock` runs nothing).
 
     Returns:
         The chain; ``str(stage)`` shows each stage's figures.
@@ -303,4 +309,4 @@ def profile_chain(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"forget: repeats must be an int >= 1, got {repeats!r}")
     with untouched(target):
-        return _profile(target, _check_options(options), repeats)
+        return _profile(target, _check_options(options), repeats, clock)

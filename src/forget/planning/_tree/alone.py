@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from ...engine import storage_of
 from ...memory import Ledger, measure, watch
 from ...policies import Policy
-from .._clock import spans
+from .._clock import Clock
 from .._guard import Overrun, guard, peak_bytes
 from .._timing import _region_overhead_s, _step_of, time_calls
 from .apply import run_option
@@ -176,6 +176,7 @@ def alone_figures(
     limit: int | None,
     alone_limit: int | None,
     probe: str,
+    clock: Clock,
 ) -> tuple[dict[str, float], dict[str, int], dict[str, dict[str, tuple[int, int, float]]]]:
     """Times (`forward_times`), then workspace and options' figures, one innermost
     representative at a time (NOTE [alike stages]): per candidate its seconds, per
@@ -199,8 +200,9 @@ def alone_figures(
     """
     model = step.model
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    fixed = _region_overhead_s([], {0: torch.ones(1, device=device)}, [], repeats) if names else 0
-    times = forward_times(step, names, rep_of, repeats)
+    one = {0: torch.ones(1, device=device)}
+    fixed = _region_overhead_s([], one, [], repeats, clock) if names else 0
+    times = forward_times(step, names, rep_of, repeats, clock)
     inner = set(names) - set(parent.values())
     figures: dict[str, dict[str, tuple[int, int, float]]] = {}
     workspace: dict[str, int] = {}
@@ -219,20 +221,20 @@ def alone_figures(
         except Overrun:
             offered = {}
         alone.clear()
-        figures[rep] = alone.option_times(offered, policies, repeats)
+        figures[rep] = alone.option_times(offered, policies, repeats, clock)
         alone.clear()
         del args, kwargs, alone
     return {name: times[name] + fixed for name in names}, workspace, figures
 
 
 def forward_times(
-    step: TreeStep, names: Sequence[str], rep_of: Mapping[str, str], repeats: int
+    step: TreeStep, names: Sequence[str], rep_of: Mapping[str, str], repeats: int, clock: Clock
 ) -> dict[str, float]:
     """Each candidate's forward seconds, from whole forwards of the model without grad.
 
     NOTE [forwards timed whole]: a candidate's time is what its call takes within
     ``repeats`` forwards of the model without grad (a hook before and after it;
-    `_clock.spans`), the median over them and over the modules alike to it (NOTE
+    `Clock.spans`), the median over them and over the modules alike to it (NOTE
     [alike stages]). Timing each kind of module alone, on inputs captured for it,
     ran a forward of every level of the tree once per repeat and needed a capture
     per kind for nothing else, a large share of planning (benchmarks/measured.md,
@@ -248,7 +250,7 @@ def forward_times(
         model(*step.args, **step.kwargs)
 
     with torch.no_grad():
-        rounds = [spans(forward, modules, sync) for _ in range(repeats)]
+        rounds = [clock.spans(forward, modules, sync) for _ in range(repeats)]
     alike: dict[str, list[float]] = {}
     for name in names:
         alike.setdefault(rep_of[name], []).extend(r.get(name, 0.0) for r in rounds)
@@ -409,6 +411,7 @@ class _Alone:
         offered: Mapping[str, tuple[int, int]],
         policies: Mapping[str, Policy],
         repeats: int,
+        clock: Clock,
     ) -> dict[str, tuple[int, int, float]]:
         """Per option offered, its bytes saved, how much higher its step peaks, and the
         seconds it adds to a step.
@@ -426,7 +429,9 @@ class _Alone:
         )
         # Every option ran in `option_bytes`, and the plain step in `workspace_bytes`
         # (forward and backward, where a workspace is learned): no warm-up round.
-        rounds = time_calls(steps, max(3, repeats), prepare=lambda _: self.clear(), warm_up=False)
+        rounds = time_calls(
+            steps, max(3, repeats), prepare=lambda _: self.clear(), warm_up=False, clock=clock
+        )
         plain = rounds.pop(None)  # the plain step, once a round beside every option
         extra = {
             name: max(0.0, statistics.median(t - p for t, p in zip(times, plain, strict=True)))

@@ -1,17 +1,9 @@
-"""Run submodules as forgotten regions by wrapping their forward on the instance.
+"""Run submodules as forgotten regions: a plan's choices on the instance forward.
 
-NOTE [instance forward]: a tree plan changes no module's class and adds no
-submodule: each chosen module gets an instance attribute ``forward``, a
-`RegionForward` that runs the forward found there before as a forgotten region
-(`forget.engine.run_region`, the engine of `forget.checkpoint`), or under an
-option's policy. ``nn.Module.__call__`` calls ``self.forward``, so hooks, keyword
-arguments and any output structure (a tuple, a Hugging Face ``ModelOutput``)
-pass as before; ``state_dict`` keys, parameters and buffers are untouched, and
-`unwrap` restores exactly what was there (the class's method, or an instance
-forward someone else had set). The wrapper holds the previous forward as a
-bound method, so ``copy.deepcopy`` of a planned model gives regions running
-the copy's modules, not the original's; ``__wrapped__`` keeps
-``inspect.signature`` of the module's forward what it was.
+Each chosen module's forward is wrapped on the instance (`forget.regions.RegionForward`,
+NOTE [instance forward] in `forget.regions`), the wrapper a cap uses too: its call runs
+the forward found there before as a forgotten region (`forget.engine.run_region`,
+the engine of `forget.checkpoint`), or under an option's policy.
 """
 
 from __future__ import annotations
@@ -25,6 +17,10 @@ from torch import nn
 
 from ...engine import regenerating, run_region
 from ...policies import Policy
+from ...regions import owner_of, unwrap_forward, wrap_forward
+
+#: The owner a plan's wrappers carry (`forget.regions.RegionForward.owner`).
+PLAN = "plan"
 
 
 def run_option(
@@ -37,49 +33,30 @@ def run_option(
     return run_region(forward, args, kwargs, policy=policy)
 
 
-class RegionForward:
-    """A module's forward run as a forgotten region or under an option (NOTE [instance forward])."""
-
-    def __init__(self, module: nn.Module, choice: str, policy: Policy | None) -> None:
-        original = module.forward
-        functools.update_wrapper(self, original)
-        self.original = original
-        # An instance forward set before (None: the class's method); a copy keeps None.
-        self.own = module.__dict__.get("forward")
-        self.choice = choice
-        self.policy = policy
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return run_option(self.original, args, kwargs, self.policy)
-
-    def __repr__(self) -> str:
-        return f"<forget region ({self.choice}) around {self.original!r}>"
+def _run_choice(
+    policy: Policy | None, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    return run_option(forward, args, kwargs, policy)
 
 
 def wrap(module: nn.Module, choice: str, policy: Policy | None) -> None:
     """Make ``module`` run as ``choice`` says: ``"forget"``, or a leaf option's ``policy``."""
-    if isinstance(module.__dict__.get("forward"), RegionForward):
+    if is_wrapped(module):
         raise ValueError(
             f"forget: {type(module).__name__} runs as a forget region already; remove the "
             "plan applied before (plan.remove(model)) before applying another"
         )
-    module.__dict__["forward"] = RegionForward(module, choice, policy)
+    wrap_forward(module, functools.partial(_run_choice, policy), PLAN, f"region ({choice})")
 
 
 def unwrap(module: nn.Module) -> bool:
-    """Restore ``module``'s forward as it was before `wrap`; False if it was not wrapped."""
-    wrapper = module.__dict__.get("forward")
-    if not isinstance(wrapper, RegionForward):
-        return False
-    if wrapper.own is None:
-        del module.__dict__["forward"]
-    else:
-        module.__dict__["forward"] = wrapper.own
-    return True
+    """Restore ``module``'s forward as it was before `wrap`; False if no plan wrapped it."""
+    return unwrap_forward(module, PLAN)
 
 
 def is_wrapped(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), RegionForward)
+    """Whether a plan's region wraps ``module``'s forward."""
+    return owner_of(module) == PLAN
 
 
 def policy_of(choice: str, policies: Mapping[str, Policy]) -> Policy | None:

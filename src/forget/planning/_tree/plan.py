@@ -5,33 +5,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from torch import nn
 
 from ... import schedules as P
-from ...policies import ATTENTION, DROPOUT, LINEAR, Policy, regenerate, save_outputs_of
+from ...policies import Policy
+from ...regions import DEFAULT_OPTIONS, ROOT, first_difference
 from ...schedules import format_bytes
 from .._json import SavedAsJson
 from .._targets import _check_options
 from .apply import is_wrapped, policy_of, unwrap_all, wrap_all
-from .candidates import ROOT, first_difference
 from .step import LargerInputs, signature_of
 
 _FORMAT = "forget.tree_plan/1"
 
-#: The leaf options a module tree is planned with when ``options`` is not given
-#: (NOTE [default options] in `.planner`): ``"selective"`` keeps the outputs
-#: of the matmuls, attention and dropout of a region and re-runs the rest (norms,
-#: activations, residual sums); ``"regenerate"`` keeps the module and rebuilds its
-#: activation, norm and dropout outputs in backward (`forget.policies.regenerate`).
-DEFAULT_OPTIONS: Mapping[str, Policy] = MappingProxyType(
-    {
-        "selective": save_outputs_of(*LINEAR, *ATTENTION, *DROPOUT),
-        "regenerate": regenerate(),
-    }
-)
 # Where an applied plan notes what it changed, on the model's instance dict (no state).
 _APPLIED = "_forget_tree_plan"
 

@@ -48,8 +48,9 @@ the guard (NOTE [guarded steps]) with the budget as its limit: a step predicted
 to fit that does not is stopped, a measured miss, passing the budget by at most
 the one allocation that stopped it. Only steps measured to fit are timed. Where
 every step is stopped, the error names the cost model's least peak, or the
-least bound a stopped step passed where higher. Resident memory is not the
-ledger's bytes: NOTE [freed heap].
+least bound a stopped step passed where higher. The budget is judged by the
+allocator's count, never by the process's resident memory, which the C
+library's malloc keeps as it sees fit.
 
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path]), and with a policy the two need not
@@ -84,14 +85,14 @@ from ... import schedules as P
 from ...errors import BudgetInfeasibleError
 from ...memory import frozen_heap
 from ...policies import Policy
+from ...regions import DEFAULT_OPTIONS, ROOT, CandidateSpec, structure
+from .._clock import WALL_CLOCK, Clock
 from .._guard import Peak, guarded_peak
 from .._guard import budget_bytes as resolve_budget
-from .._heap import heap_returned
 from .._targets import _check_options, untouched, zero_grads
 from .._timing import fastest_of, time_calls
 from .apply import applied
-from .candidates import ROOT, CandidateSpec, structure
-from .plan import DEFAULT_OPTIONS, TreePlan
+from .plan import TreePlan
 from .profile import profile_tree
 from .search import Key as _Key
 from .search import choices_key as _key
@@ -155,10 +156,12 @@ class TreePlanner:
         budget: the least budget this planner will plan for, if known: the
             profile's runs on real tensors stay within it too (NOTE [planning
             within the budget]); a percentage of the fake run's ledger peak.
+        clock: what the profile and the side-by-side timing read times on
+            (`WallClock`); a test's `FixedClock` runs nothing and reports the
+            same seconds for every call.
     """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    @heap_returned()  # NOTE [freed heap] in `._heap`
     def __init__(
         self,
         model: nn.Module,
@@ -171,6 +174,7 @@ class TreePlanner:
         repeats: int = 3,
         samples: Sequence[Any] | None = None,
         budget: int | float | str | None = None,
+        clock: Clock = WALL_CLOCK,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"forget: TreePlanner plans an nn.Module, got {type(model).__name__}")
@@ -184,9 +188,10 @@ class TreePlanner:
         self.step = TreeStep(model, step_args, step_kwargs, loss_fn)
         self.policies = _check_options(DEFAULT_OPTIONS if options is None else options)
         self.repeats = repeats
+        self.clock = clock
         self.sizes = tuple({k: tuple(v) for k, v in s.items()} for s in sizes)
         self.structure = tuple(structure(model))
-        self.profile = profile_tree(self.step, candidates, self.policies, repeats, budget)
+        self.profile = profile_tree(self.step, candidates, self.policies, repeats, budget, clock)
         self.tree = self.profile.tree
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
@@ -387,7 +392,11 @@ class TreePlanner:
             with untouched(target):
                 # Every candidate ran when it was measured: its regions are warm.
                 return time_calls(
-                    calls, self.repeats, prepare=lambda _: zero_grads(target), warm_up=False
+                    calls,
+                    self.repeats,
+                    prepare=lambda _: zero_grads(target),
+                    warm_up=False,
+                    clock=self.clock,
                 )
 
         return candidates[fastest_of(time, len(candidates))]
@@ -432,7 +441,6 @@ class TreePlanner:
     # ------------------------------------------------------------ planning
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    @heap_returned()  # NOTE [freed heap] in `._heap`
     def plan(self, budget: int | float | str | None = None) -> TreePlan:
         """Return the fastest measured plan whose allocator peak fits ``budget``.
 

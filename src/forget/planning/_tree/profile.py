@@ -74,12 +74,13 @@ from ...engine import storage_of
 from ...errors import BudgetInfeasibleError, ForgetError
 from ...memory import Ledger, StorageRecord, watch
 from ...policies import Policy
+from ...regions import ROOT, CandidateSpec, ancestors, find_candidates, parents
+from .._clock import WALL_CLOCK, Clock
 from .._guard import Overrun, budget_bytes, guard
 from .._targets import untouched, zero_grads
 from .alone import Layout as _Layout
 from .alone import alone_figures
 from .apply import is_wrapped
-from .candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
 from .step import Call, TreeStep, check_same_calls, step_loss, traced
 
 
@@ -111,8 +112,11 @@ def profile_tree(
     policies: Mapping[str, Policy],
     repeats: int,
     budget: int | float | str | None = None,
+    clock: Clock = WALL_CLOCK,
 ) -> TreeProfile:
     """Measure ``step`` into a `TreeProfile` (NOTE [tree figures]); the model is left as it was.
+
+    Times are read on ``clock`` (the wall clock; a test's `FixedClock` runs nothing).
 
     Raises:
         ValueError: no named candidate called exactly once; a model that runs
@@ -177,7 +181,17 @@ def profile_tree(
             # (NOTE [heavy modules] in `.alone`).
             alone_limit = None if limit is None else max(limit, ledger_peak)
             times, workspace, figures = alone_figures(
-                step, names, rep_of, layouts, parent, policies, repeats, limit, alone_limit, probe
+                step,
+                names,
+                rep_of,
+                layouts,
+                parent,
+                policies,
+                repeats,
+                limit,
+                alone_limit,
+                probe,
+                clock,
             )
         except Overrun as exc:
             # Raised outside this block: an exception raised here would keep the
