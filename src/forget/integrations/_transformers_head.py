@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine import chunked
+from ..regions import CHUNKED as _ATTR
 
 __all__ = ["ChunkedLoss", "chunk_loss", "chunked_loss_of", "default_chunks"]
 
 # Tokens a slice keeps at least (NOTE [default chunks]).
 MIN_ROWS = 64
-_ATTR = "_forget_chunked_loss"
 # Keyword arguments of transformers' ForCausalLMLoss this head honours.
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 

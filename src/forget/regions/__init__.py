@@ -4,6 +4,8 @@
   their nesting, and the model's structure;
 - `_options`: `DEFAULT_OPTIONS`, the leaf options a region may run under when
   none are given;
+- `_head`: a language model's head, whose logits a budget may not go below
+  unless chunked (NOTE [the head's floor]);
 - `_forward`: `RegionForward`, the one way a module runs as a region: its
   forward set on the instance, through the owner's call (NOTE [instance
   forward]), for a plan and a cap alike.
@@ -23,9 +25,13 @@ from ._forward import RegionForward as RegionForward
 from ._forward import owner_of as owner_of
 from ._forward import unwrap_forward as unwrap_forward
 from ._forward import wrap_forward as wrap_forward
+from ._head import CHUNKED as CHUNKED
+from ._head import head_hint as head_hint
+from ._head import logits_head as logits_head
 from ._options import DEFAULT_OPTIONS as DEFAULT_OPTIONS
 
 __all__ = [
+    "CHUNKED",
     "DEFAULT_OPTIONS",
     "ROOT",
     "CandidateSpec",
@@ -33,6 +39,8 @@ __all__ = [
     "ancestors",
     "find_candidates",
     "first_difference",
+    "head_hint",
+    "logits_head",
     "owner_of",
     "parents",
     "structure",

@@ -63,7 +63,7 @@ from ... import schedules as P
 from ...errors import BudgetInfeasibleError
 from ...memory import frozen_heap
 from ...policies import Policy
-from ...regions import CandidateSpec
+from ...regions import CandidateSpec, head_hint
 from .._clock import WALL_CLOCK, Clock
 from .._guard import guarded_peak
 from .._targets import (
@@ -257,17 +257,29 @@ def plan(
                 f"forget: a module tree is planned by the exact tree solver "
                 f"(algorithm='optimal'), got algorithm={algorithm!r}"
             )
-        return plan_tree(
-            model_or_blocks,
-            sample_inputs,
-            kwargs,
-            budget=budget,
-            loss_fn=loss_fn,
-            candidates=candidates,
-            options=options,
-            repeats=repeats,
-            samples=samples,
-        )
+        try:
+            return plan_tree(
+                model_or_blocks,
+                sample_inputs,
+                kwargs,
+                budget=budget,
+                loss_fn=loss_fn,
+                candidates=candidates,
+                options=options,
+                repeats=repeats,
+                samples=samples,
+            )
+        except BudgetInfeasibleError as exc:  # NOTE [the head's floor]
+            gap = exc.min_feasible_bytes - exc.budget_bytes
+            hint = head_hint(model_or_blocks, [kwargs, *(samples or ())], gap)
+            if not hint:
+                raise
+            message = str(exc).rstrip()
+            raise BudgetInfeasibleError(
+                message + ("" if message.endswith(".") else ".") + hint,
+                budget_bytes=exc.budget_bytes,
+                min_feasible_bytes=exc.min_feasible_bytes,
+            ) from None
     if kwargs or candidates is not None or samples is not None:
         given = sorted(kwargs) + [
             n for n, v in (("candidates", candidates), ("samples", samples)) if v is not None
