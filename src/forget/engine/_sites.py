@@ -45,7 +45,7 @@ reaches. What the fast path cannot see: a later call alone that draws from an
 explicit generator, writes into a tensor reached in neither way above, or
 writes into a buffer without bumping its version where no copy is compared (a
 large one; on a device, any).
-`fast_path` (``with forget.fast_path(False):``) turns it off for such code.
+`fast_path` (``with forget.engine.fast_path(False):``) turns it off for such code.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def fast_path(enabled: bool = True) -> Iterator[None]:
 
     Example:
         >>> import torch, forget
-        >>> with forget.fast_path(False):
+        >>> from forget.engine import fast_path
+        >>> with fast_path(False):
         ...     y = forget.checkpoint(torch.nn.Linear(2, 2), torch.ones(1, 2))
     """
     if not isinstance(enabled, bool):
@@ -350,7 +351,7 @@ class Guard:
                     "not write into, so its value before the forward was not kept and the "
                     "recomputation cannot be exact (NOTE [fast path]). Later calls of it "
                     "run the exact path; run this step again, or wrap the first call in "
-                    "forget.fast_path(False)."
+                    "forget.engine.fast_path(False)."
                 )
             pairs.append((t, copy))
         return pairs, write_only
