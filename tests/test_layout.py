@@ -9,8 +9,6 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "forget"
 MODULES = sorted(p for p in SRC.rglob("*.py") if "__pycache__" not in p.parts)
-# "~600 lines": a module this long has more than one concern to split off.
-MAX_LINES = 620
 
 
 def _package(path: Path) -> tuple[str, ...]:
@@ -62,12 +60,6 @@ def test_no_module_imports_another_packages_private_names(path):
             f"{path.relative_to(SRC)} imports {name!r} from {'.'.join(target)}, a private "
             f"name of the package {'.'.join(owner)}; import a public name of that package"
         )
-
-
-@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(SRC)) for p in MODULES])
-def test_no_module_is_over_about_600_lines(path):
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.relative_to(SRC)} has {lines} lines; split it by concern"
 
 
 def test_the_rules_catch_what_they_forbid():
