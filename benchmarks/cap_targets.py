@@ -15,8 +15,8 @@ per shape, the peak with every default candidate region that has none inside it
 forgotten (`forget.apply_forget`): about the least any choice of those regions
 reaches, to tell a cap that cannot hold from a runtime that evicts badly.
 ``--largest-first`` runs the largest shape first, with nothing learned.
-``--partial none`` caps with whole regions only (``forget.cap(..., partial=None)``;
-the default is ``"selective"``, NOTE [partial evictions]).
+``--partial none`` caps with whole regions only (``_cap_with(..., partial=None)``,
+the cap with its defaults open; the default is ``"selective"``, NOTE [partial evictions]).
 ``--passes 3`` runs the shapes three times over: from the second step of a
 shape on, the cap repeats its decision (NOTE [steps of known shapes]).
 ``--split`` times instead, by CPU time, the forward and the backward of the
@@ -59,6 +59,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import forget
 from forget.planning import time_calls
+from forget.runtime._cap import _cap_with
 
 tf: Any = transformers
 
@@ -145,7 +146,7 @@ def run_peaks(
     for share in (0.75, 0.5):
         budget = int(plain * share)
         capped = copy.deepcopy(model)
-        handle = forget.cap(capped, budget, partial=partial)
+        handle = _cap_with(capped, budget, partial=partial)
         row = []
         for shape in shapes * passes:
             _, inputs = make(shape)
@@ -209,7 +210,7 @@ def run_evictions(name: str, evictions: list[str]) -> None:
         budget = int(plain * share)
         for eviction in evictions:
             capped = copy.deepcopy(model)
-            handle = forget.cap(capped, budget, eviction=eviction)
+            handle = _cap_with(capped, budget, eviction=eviction)
             ratios, evicted, rerun, total, rerun_s, errors = [], 0, 0, 0, 0.0, []
             for shape in shapes:
                 _, inputs = make(shape)
@@ -244,7 +245,7 @@ def run_times(name: str, rounds: int, partial: str | None = None) -> None:
     never = copy.deepcopy(model)
     forget.cap(never, 10**12)
     capped = copy.deepcopy(model)
-    handle = forget.cap(capped, budget, partial=partial)
+    handle = _cap_with(capped, budget, partial=partial)
     layers: Any = copy.deepcopy(model)
     layers.activation_checkpointing_enable({"use_reentrant": False})
     calls = {

@@ -1,10 +1,10 @@
 """forget's fast path against torch's checkpoint and forget's exact path, side by side.
 
-Each reference model of `forget.models` (default size) runs training steps with
+Each reference model of `forget.cli._models` (default size) runs training steps with
 every block through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``,
 through ``forget.checkpoint`` (its sites learned on the first call, then fast:
 NOTE [fast path]) and through ``forget.checkpoint`` under
-``forget.fast_path(False)`` (every call exact); variants in shuffled order each
+``forget.engine.fast_path(False)`` (every call exact); variants in shuffled order each
 round, the median of the per-round ratios to torch printed. Figures go in
 benchmarks/measured.md.
 
@@ -25,7 +25,8 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 import forget
-from forget.models import MODEL_NAMES, build_model
+from forget.cli._models import MODEL_NAMES, build_model
+from forget.engine import fast_path
 
 
 def _torch(block: Callable[[Tensor], Tensor], h: Tensor) -> Tensor:
@@ -48,7 +49,7 @@ def ratios(name: str, rounds: int) -> dict[str, float]:
         m.zero_grad(set_to_none=True)
         torch.manual_seed(0)
         if variant == "exact":
-            with forget.fast_path(False):
+            with fast_path(False):
                 m.step(x, target, _forget)
         else:
             m.step(x, target, _torch if variant == "torch" else _forget)

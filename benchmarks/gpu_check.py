@@ -6,7 +6,7 @@ runs, from the checkout's source (``PYTHONPATH=src``, nothing installed):
 
 1. ``python3 -m pytest -m cuda -q`` on every test module that marks a test
    ``pytest.mark.cuda`` (five minutes at most);
-2. for each reference model (`forget.models`) and for the launch-bound chain
+2. for each reference model (`forget.cli._models`) and for the launch-bound chain
    of ``forget bench`` (`forget.cli._bench_launch`), one training step plain,
    with ``torch.utils.checkpoint`` (non-reentrant) and with ``forget.checkpoint``,
    as ``forget bench`` runs them: the peak bytes the step allocates above what
@@ -62,7 +62,7 @@ except ImportError as exc:  # a python3 without torch: say so, not a traceback
 import forget
 from forget.cli import _bench, _bench_launch, _common
 from forget.cli._common import mib
-from forget.models import MODEL_NAMES, SIZES, build_model, model_settings
+from forget.cli._models import MODEL_NAMES, SIZES, build_model, model_settings
 from forget.planning import time_calls
 
 ROOT = Path(__file__).resolve().parents[1]

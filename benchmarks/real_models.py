@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 import forget
+from forget.runtime._cap import _cap_with
 
 Batch = Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]
 
@@ -158,7 +159,7 @@ def run(
     print(f"{name}: plain peak {plain_peak:,} B at batch {max(sizes)}; cap {cap_bytes:,} B")
     # NOTE [records within a measure]: the steps the cap reads (NOTE [what the count
     # misses]) it reads from the profiler that measures them here.
-    handle = forget.cap(capped, cap_bytes, read_allocator=read, partial=partial)
+    handle = _cap_with(capped, cap_bytes, read_allocator=read, partial=partial)
     rows = []
     held = True
     try:

@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 import forget
 from forget import cli
 from forget.cli import _bench, _bench_launch, _common
-from forget.models import MODEL_NAMES, build_model
+from forget.cli._models import MODEL_NAMES, build_model
 
 VARIANTS = ["plain", "torch_checkpoint", "forget"]
 TINY = ["--size", "tiny", "--repeats", "1", "--quiet"]
@@ -329,7 +329,7 @@ def test_selective_default_shape_keeps_attention_tensors_on_the_heap():
     # At 32 MiB a T x T tensor is past glibc's heap ceiling: each allocation is a fresh
     # mapping whose page faults slow plain the most (the shape's comment in the module).
     from forget.cli import _bench_selective
-    from forget.models import model_settings
+    from forget.cli._models import model_settings
 
     shape = {**model_settings("tiny_gpt", "default"), **_bench_selective.OVERRIDES["default"]}
     scores = shape["batch_size"] * shape["heads"] * shape["context"] ** 2 * 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.nn import functional as F
 import forget
 from _cap_steps import _equal
 from forget.runtime import EVICTIONS
+from forget.runtime._cap import _cap_with
 
 
 class Block(nn.Module):
@@ -112,7 +114,7 @@ def test_every_step_within_the_cap_by_the_ledger(share: float) -> None:
 def test_every_eviction_order_keeps_the_cap_and_the_plain_gradients(eviction: str) -> None:
     plain, capped = _net(), _net()
     budget = int(0.8 * _plain_peak(64))
-    handle = forget.cap(capped, budget, eviction=eviction)
+    handle = _cap_with(capped, budget, eviction=eviction)
     _step(plain, _x(64))
     assert forget.measure(_step, capped, _x(64)).peak_bytes <= budget
     assert _equal(_state(plain)[0], _state(capped)[0])
@@ -128,7 +130,7 @@ def test_an_unknown_eviction_order_names_the_known_ones() -> None:
     net = _net()
     expected = r"no eviction order named 'lru'; expected one of 'largest', 'dtr', "
     with pytest.raises(ValueError, match=expected):
-        forget.cap(net, 10**6, eviction="lru")
+        _cap_with(net, 10**6, eviction="lru")
     assert not any("forward" in m.__dict__ for m in net.modules())
 
 
@@ -483,7 +485,7 @@ def _lm_steps(nets: tuple[nn.Module, ...], ids: torch.Tensor) -> None:
         net(input_ids=ids, labels=ids).loss.backward()
 
 
-def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
+def test_transformers_cap_stays_through_trainers_door() -> None:
     tf = pytest.importorskip("transformers")
     from forget.integrations import transformers as forget_hf
 
@@ -491,7 +493,7 @@ def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
     model = copy.deepcopy(plain)
     big = torch.zeros(2, 48, dtype=torch.long)
     peak = forget.measure(lambda: plain(input_ids=big, labels=big).loss.backward()).peak_bytes
-    forget_hf.enable(model, cap=int(0.8 * peak))
+    assert forget_hf.cap(model, int(0.8 * peak)) is model
     model.activation_checkpointing_enable({"use_reentrant": False})  # as Trainer does
     handle = forget_hf.cap_of(model)
     assert handle is not None and forget_hf.is_enabled(model)
@@ -501,14 +503,14 @@ def test_transformers_enable_with_a_cap_stays_through_trainers_door() -> None:
         _lm_steps((plain, model), ids)
         assert _equal(_state(plain)[0], _state(model)[0])  # dropout replayed
     assert any(report.evicted for report in handle.steps)
-    with pytest.raises(TypeError, match="do not go with cap="):
-        forget_hf.enable(model, cap="1MB", budget="1MB")
     forget_hf.disable(model)
     assert forget_hf.cap_of(model) is None
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -> None:
+def test_transformers_cap_goes_in_part_as_forget_cap_does() -> None:
+    # One meaning per keyword: enable's policy is a layer's keep; the cap takes
+    # forget.cap's own default, the selective keep (NOTE [the cap's defaults]).
     tf = pytest.importorskip("transformers")
     from forget.integrations import transformers as forget_hf
     from forget.regions import DEFAULT_OPTIONS
@@ -517,23 +519,51 @@ def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -
     model = copy.deepcopy(plain)
     ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(0))
     peak = forget.measure(lambda: plain(input_ids=ids, labels=ids).loss.backward()).peak_bytes
-    selective = DEFAULT_OPTIONS["selective"]
-    forget_hf.enable(model, cap=int(0.8 * peak), policy=selective)
+    forget_hf.cap(model, int(0.8 * peak))
     handle = forget_hf.cap_of(model)
-    assert handle is not None and handle.partial is selective
+    assert handle is not None and handle.partial is DEFAULT_OPTIONS["selective"]
     for _ in range(3):  # read, then in part, then the decision repeated
         _lm_steps((plain, model), ids)
         assert _equal(_state(plain)[0], _state(model)[0])  # dropout replayed
     assert any(report.partial for report in handle.steps)
     forget_hf.disable(model)
-    with pytest.raises(ValueError, match="is no partial keep"):
-        forget_hf.enable(model, cap="1MB", policy=True)  # keeps every output
-    assert forget_hf.cap_of(model) is None
-    forget_hf.enable(model, cap="1MB")  # the cap's own default
-    assert (handle := forget_hf.cap_of(model)) is not None and handle.partial is selective
-    forget_hf.enable(model, cap="1MB", policy=False)  # whole layers only
-    assert (handle := forget_hf.cap_of(model)) is not None and handle.partial is None
+    assert "cap" not in inspect.signature(forget_hf.enable).parameters
+
+
+def test_transformers_cap_that_fails_puts_the_cap_in_force_back_as_it_was() -> None:
+    # NOTE [cap in force]: a cap or a plan that cannot go in leaves the very cap
+    # that was in force, with its partial keep, its reads and what it learned.
+    tf = pytest.importorskip("transformers")
+    from forget.integrations import transformers as forget_hf
+
+    plain = _tiny_gpt2(tf, positions=128)
+    model = copy.deepcopy(plain)
+    ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(0))
+    peak = forget.measure(lambda: plain(input_ids=ids, labels=ids).loss.backward()).peak_bytes
+    forget_hf.cap(model, int(0.8 * peak))
+    handle = forget_hf.cap_of(model)
+    assert handle is not None and handle.partial is not None
+    _lm_steps((plain, model), ids)
+    with pytest.raises(ValueError, match="no_such_layer"):
+        forget_hf.cap(model, "1GB", candidates="no_such_layer")
+    assert forget_hf.cap_of(model) is handle
+
+    class Refused(Exception):
+        pass
+
+    def refused(output: Any) -> torch.Tensor:
+        raise Refused("no loss today")
+
+    with pytest.raises(Refused):
+        forget_hf.enable(model, budget="1GB", inputs={"input_ids": ids}, loss_fn=refused)
+    assert forget_hf.cap_of(model) is handle and handle.partial is not None
+    for _ in range(2):  # the second step of these shapes goes in part, as before
+        _lm_steps((plain, model), ids)
+        assert _equal(_state(plain)[0], _state(model)[0])
+    # remove() dropped the step in flight; the two since are the handle's.
+    assert len(handle.steps) == 2 and handle.steps[-1].partial
     forget_hf.disable(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def _wide() -> nn.Sequential:

@@ -16,6 +16,7 @@ from forget import policies
 from forget.engine import DroppableRegion
 from forget.regions import DEFAULT_OPTIONS
 from forget.runtime import EVICTIONS
+from forget.runtime._cap import _cap_with
 
 SELECTIVE = DEFAULT_OPTIONS["selective"]
 
@@ -115,7 +116,7 @@ def _plain_peak(rows: int) -> int:
 def test_a_cap_evicting_in_part_keeps_the_plain_gradients_buffers_and_the_cap(share):
     budget = int(share * _plain_peak(256))
     plain, capped = _net(), _net()
-    handle = forget.cap(capped, budget, partial="selective")
+    handle = forget.cap(capped, budget)  # partial="selective", the default
     peaks = []
     shapes = (256, 256, 256, 128, 256, 192)
     for rows in shapes:
@@ -178,7 +179,7 @@ def test_shapes_seen_and_never_read_are_read_once_then_go_in_part():
 def test_bad_partials(partial, error, match):
     net = _net()
     with pytest.raises(error, match=match):
-        forget.cap(net, 10**6, partial=partial)
+        _cap_with(net, 10**6, partial=partial)
     assert "forward" not in net.__dict__  # nothing applied
 
 
@@ -204,7 +205,7 @@ def test_a_region_that_keeps_too_much_runs_without_the_policy_from_then_on(monke
 
     net = make()
     budget = int(0.85 * forget.measure(_step, make(), 64).peak_bytes)
-    handle = forget.cap(net, budget, partial="selective")
+    handle = forget.cap(net, budget)  # partial="selective", the default
     for _ in range(3):  # the first read, the second capped under the policy, and again
         policies_seen.append([])
         forget.measure(_step, net, 64)
@@ -230,7 +231,7 @@ def test_every_eviction_order_evicts_in_part_first_and_stays_exact(eviction, mon
     monkeypatch.setattr(_steps.Step, "_evict", spied)
     budget = int(0.5 * _plain_peak(256))
     plain, capped = _net(), _net()
-    handle = forget.cap(capped, budget, eviction=eviction, partial="selective")
+    handle = _cap_with(capped, budget, eviction=eviction, partial="selective")
     for rows in (256, 256, 128):
         want = _step(plain, rows)
         peak = forget.measure(lambda r=rows: _step(capped, r)).peak_bytes

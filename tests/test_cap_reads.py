@@ -16,6 +16,7 @@ from torch import nn
 import forget
 from forget.engine import Region
 from forget.memory import AllocatorRecord, allocator_peak
+from forget.runtime._cap import _cap_with
 
 
 class _Scratch(torch.autograd.Function):
@@ -70,7 +71,7 @@ def budget() -> int:
 def test_a_read_step_teaches_the_cap_what_its_count_missed(budget):
     # Unread, the count misses the scratch buffers and every step passes the cap.
     unread = _net()
-    handle = forget.cap(unread, budget, read_allocator="never")
+    handle = _cap_with(unread, budget, read_allocator="never")
     assert [_peak(unread, 256) > budget for _ in range(2)] == [True, True]
     assert handle.last_step is not None and handle.last_step.allocator_peak_bytes is None
     # Read, the first step (nothing read yet) passes the cap as before; from the
@@ -116,7 +117,7 @@ def test_a_cap_that_cannot_hold_for_what_it_read_refuses_and_reads_a_size_until_
 
 def test_every_step_read_on_request_and_its_figure_the_allocator_peak(budget):
     net = _net()
-    handle = forget.cap(net, 10 * budget, read_allocator="every")
+    handle = _cap_with(net, 10 * budget, read_allocator="every")
     for _ in range(3):
         _step(net, 64)
     steps = handle.steps
@@ -213,7 +214,7 @@ def test_an_allocator_record_reads_the_peak_between_its_marks():
 
 def test_read_allocator_of_another_name_is_refused():
     with pytest.raises(ValueError, match="read_allocator"):
-        forget.cap(_net(), 10**9, read_allocator="sometimes")
+        _cap_with(_net(), 10**9, read_allocator="sometimes")
 
 
 def _gpt2() -> nn.Module:
@@ -244,7 +245,7 @@ def test_a_second_step_of_known_shapes_reserves_what_the_forward_reached(read_al
     expected = _grads(plain)
     model = _gpt2()
     # Whole regions only: what the reach changes is how many go.
-    handle = forget.cap(model, budget, read_allocator=read_allocator, partial=None)
+    handle = _cap_with(model, budget, read_allocator=read_allocator, partial=None)
     peaks = []
     for _ in range(3):
         peaks.append(forget.measure(lambda: _lm_step(model), probe="profiler").peak_bytes)

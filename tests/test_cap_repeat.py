@@ -141,7 +141,8 @@ def test_what_the_key_holds_a_step_to():
     net[1].eval()  # one module's flag
     _step(net, 8)
     assert handle.last_step is not None and not handle.last_step.repeated
-    off = forget.cap(_net(), 10**9, repeat_known_shapes=False)
+    off = forget.cap(_net(), 10**9)
+    off.repeat_known_shapes = False  # a model whose memory depends on its values
     for _ in range(3):
         _step(off.model, 8)
         assert off.last_step is not None and not off.last_step.repeated

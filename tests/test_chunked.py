@@ -219,14 +219,14 @@ def _head_backward_peak(chunks):
 
 
 def test_backward_peak_falls_with_the_chunk_count():
-    # One chunk rebuilds the whole 64 x 1024 float logits (256 KiB) and their
-    # log-softmax and gradient beside them, 3 x 256 KiB or more; eight chunks hold an
-    # eighth of that at a time, beside the gradients of h and of the head (34 KiB),
-    # which both hold in full. A quarter leaves room for a slice's transients.
+    # One chunk rebuilds the whole 64 x 1024 float logits (256 KiB), and holds their
+    # log-softmax and its gradient beside them in backward; eight chunks hold an eighth
+    # of that at a time, beside the gradients of h and of the head (38 KiB), which both
+    # hold in full. A quarter leaves room for a slice's transients.
     peak_1, grad_bytes = _head_backward_peak(1)
     peak_8, _ = _head_backward_peak(8)
     logits_bytes = 64 * 1024 * 4
-    assert peak_1 >= 3 * logits_bytes
+    assert peak_1 >= 2 * logits_bytes  # the logits dominate: the bound below means something
     assert peak_8 <= peak_1 // 4 + grad_bytes
 
 
@@ -436,12 +436,18 @@ def test_closure_parameters_get_gradients_when_no_input_requires_grad(chunks):
 
 def test_more_chunks_than_positions_gives_one_slice_per_position():
     x = _leaf(17, 3, 2)
-    f = Counted(lambda a: a.exp().sin())
     shapes: list[tuple[int, ...]] = []
-    out = forget.chunked(lambda a: (shapes.append(tuple(a.shape)), f(a))[1], x, chunks=10)
+
+    def f(a):
+        shapes.append(tuple(a.shape))
+        return a.exp().sin()
+
+    out = forget.chunked(f, x, chunks=10)
     assert shapes == [(1, 2)] * 3
-    assert f.calls == 3
-    assert torch.equal(out, _plain_loop(lambda a: a.exp().sin(), x, 3))
+    expected = _plain_loop(lambda a: a.exp().sin(), x, 3)
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    assert shapes == [(1, 2)] * 6  # and one re-run per slice
 
 
 def test_numpy_float_arrays_become_tensors_that_require_grad():

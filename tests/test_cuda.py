@@ -164,7 +164,7 @@ def test_a_cap_on_cuda_evicting_in_part_holds_every_step_and_stays_exact():
 
     _cap_step(plain, 2048)
     budget = int(0.6 * _cap_step(plain, 2048))
-    handle = forget.cap(capped, budget, partial="selective")
+    handle = forget.cap(capped, budget)  # partial="selective", the default
     for rows in (2048, 2048, 1024, 2048):
         _cap_step(plain, rows)
         want = {n: p.grad.clone() for n, p in plain.named_parameters()}

@@ -100,3 +100,18 @@ def test_readme_names_the_ci_command():
     assert "./dev test" in ci
     assert "./dev test" in README.read_text()
     assert "./dev demo" in README.read_text()
+
+
+def test_readme_opens_with_the_choice_of_a_tool():
+    # Right after the intro, before anything else: situation -> tool.
+    text = README.read_text()
+    first_table = text[text.index("\n|") : text.index("\n## ")]
+    for tool in (
+        "forget.plan(",
+        "forget.cap(",
+        "forget.checkpoint(",
+        "forget.integrations.transformers.enable(",
+        "chunk_loss(",
+        "forget.chunked(",
+    ):
+        assert tool in first_table, tool

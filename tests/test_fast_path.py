@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import forget
 from forget import ForgetError
+from forget.engine import fast_path
 from forget.engine._sites import SMALL_BUFFER_BYTES
 
 
@@ -181,14 +182,14 @@ def test_learned_early_stop_and_a_call_that_packs_otherwise():
 def test_fast_path_off_runs_every_call_exact():
     seen = _Seen(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
     x = torch.randn(2, 4, requires_grad=True)
-    with forget.fast_path(False):
+    with fast_path(False):
         for _ in range(3):
             forget.checkpoint(seen, x).sum().backward()
     assert _forwards(seen.modes) == ["StateTracker"] * 3
     forget.checkpoint(seen, x).sum().backward()  # learns now, then fast
     forget.checkpoint(seen, x).sum().backward()
     assert _forwards(seen.modes)[3:] == ["StateTracker", None]
-    with pytest.raises(TypeError, match="bool"), forget.fast_path(1):  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bool"), fast_path(1):  # type: ignore[arg-type]
         pass
 
 
@@ -315,7 +316,7 @@ def test_forget_sequential_segments_learn_once():
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)]
     seen = [_Seen(layer) for layer in layers]
-    model = forget.ForgetSequential(seen, segments=2)
+    model = forget.forget_sequential(seen, segments=2)
     x = torch.randn(3, 6, requires_grad=True)
     for _ in range(3):
         model(x).sum().backward()

@@ -64,7 +64,7 @@ def test_plan_user_factory_with_input_shape(tmp_path, monkeypatch, capsys):
     [
         (["--model", "nope"], "module:factory"),
         (["--model", "no_such_module_xyz:f", "--input-shape", "2,2"], "cannot import"),
-        (["--model", "forget.models:MODEL_NAMES", "--input-shape", "2"], "not a callable"),
+        (["--model", "forget.cli._models:MODEL_NAMES", "--input-shape", "2"], "not a callable"),
         (["--model", "torch.nn:Identity"], "--input-shape"),
         (["--model", "forget.nn:ForgetSequential", "--input-shape", "2"], "raised TypeError"),
         (["--model", "residual_mlp", "--budgets", "12 parsecs"], "cannot read the budget"),
@@ -357,7 +357,7 @@ def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_pat
     import torch
     from matplotlib.figure import Figure
 
-    from forget.models import build_model
+    from forget.cli._models import build_model
     from forget.planning import Planner
 
     model = build_model("tiny_gpt", "tiny", seed=0)

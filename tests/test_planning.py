@@ -18,8 +18,8 @@ import forget
 from forget import BudgetInfeasibleError, planning
 from forget import policies as policies_
 from forget import schedules as P
+from forget.cli._models import build_model
 from forget.engine import InTurn
-from forget.models import build_model
 from forget.planning import (
     FixedClock,
     Plan,
@@ -28,6 +28,7 @@ from forget.planning import (
     WallClock,
     _targets,
     _timing,
+    profile_chain,
 )
 from forget.planning._chain import planner as _planner
 from forget.planning._chain import profile as _profile
@@ -631,10 +632,10 @@ def test_profile_charges_a_fixed_cost_per_region(monkeypatch):
     # On a clock whose figures are known, each comes out exactly.
     model, x, target = _model("residual_mlp")
     clock = _CountingClock(monkeypatch)
-    chain = forget.profile_chain(model, x, target, repeats=1, clock=clock)
+    chain = profile_chain(model, x, target, repeats=1, clock=clock)
     # One block: a Sequential of a Linear and a Tanh (whose saved output is forgotten).
     block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    one = forget.profile_chain([block], torch.randn(2, 4), repeats=1, clock=clock)
+    one = profile_chain([block], torch.randn(2, 4), repeats=1, clock=clock)
     assert clock.regions > 0
     assert chain.region_overhead_s == pytest.approx(clock.region_s)
     assert one.region_overhead_s == pytest.approx(clock.region_s)
@@ -666,7 +667,7 @@ def test_split_plans_inside_blocks_exactly_and_keeps_baselines_on_whole_blocks(n
     model, x, target = _model(name)
     # The fixed clock times every stage alike, which ties every schedule; times that
     # grow with what a stage saves make the cheapest re-runs the ones to forget.
-    chain = forget.profile_chain(model, x, target, repeats=1, split=True)
+    chain = profile_chain(model, x, target, repeats=1, split=True)
     chain = dataclasses.replace(
         chain,
         stages=tuple(
@@ -806,10 +807,10 @@ def test_stages_meeting_at_a_cut_no_backward_reads_are_planned_as_one(tmp_path, 
         items = tuple(P.Keep(i) for i in range(len(chain)))
         return P.Schedule.from_items(chain, items).predicted_peak_bytes
 
-    chain = forget.profile_chain(net, x, repeats=1, split=True)
+    chain = profile_chain(net, x, repeats=1, split=True)
     with monkeypatch.context() as m:
         m.setattr(_targets, "_dead_cuts", lambda target, offered: [[1] * len(o) for o in offered])
-        cut = forget.profile_chain(net, x, repeats=1, split=True)
+        cut = profile_chain(net, x, repeats=1, split=True)
     assert [s.name for s in cut.stages][:3] == ["0.0", "0.1", "0.2"]
     assert store_all(cut) - store_all(chain) > 64 * 256 * 4
     net.zero_grad(set_to_none=True)
@@ -887,7 +888,7 @@ def test_profile_counts_parameter_gradients_once_at_their_last_user():
     shared, frozen = nn.Linear(8, 8), nn.Linear(8, 8)
     frozen.requires_grad_(False)
     net = nn.Sequential(shared, nn.Linear(8, 8), shared, frozen, nn.ReLU())
-    chain = forget.profile_chain(net, torch.randn(4, 8), repeats=1)
+    chain = profile_chain(net, torch.randn(4, 8), repeats=1)
     assert [s.name for s in chain.stages] == ["0", "1", "2", "3", "4"]
     one = (8 * 8 + 8) * 4
     assert [s.param_grad_bytes for s in chain.stages] == [0, one, one, 0, 0]

@@ -468,7 +468,7 @@ def test_kept_draws_give_the_same_bytes_every_run():
     # reused (a later linear output of the same size); what reads the draw is settled
     # by position, so the bytes kept never depend on where the allocator put things.
     # (Settled by address, 1 run in 5 kept the block's last linear output too.)
-    from forget.models import build_model
+    from forget.cli._models import build_model
 
     model = build_model("tiny_gpt", "tiny", seed=0)
     x, y = model.example_input(generator=torch.Generator().manual_seed(0))

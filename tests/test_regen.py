@@ -13,7 +13,7 @@ from torch import nn
 
 import forget
 from forget import policies as P
-from forget.models import build_model
+from forget.cli._models import build_model
 from forget.planning import Planner, run_items
 from forget.schedules import Keep, Region, Schedule
 

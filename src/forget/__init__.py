@@ -17,87 +17,73 @@ from .errors import ForgetError as ForgetError
 from .errors import RecomputationMismatchError as RecomputationMismatchError
 
 if TYPE_CHECKING:
-    from . import models as models
+    from . import integrations as integrations
     from . import policies as policies
     from . import schedules as schedules
     from ._apply import apply_forget as apply_forget
     from ._checkpoint import checkpoint as checkpoint
     from .engine import chunked as chunked
-    from .engine import fast_path as fast_path
     from .engine import forget as forget
     from .engine import in_recomputing as in_recomputing
     from .engine import regenerating as regenerating
-    from .memory import MemoryReport as MemoryReport
-    from .memory import SavedReport as SavedReport
     from .memory import measure as measure
     from .memory import saved as saved
     from .nn import Forget as Forget
-    from .nn import ForgetSequential as ForgetSequential
     from .nn import forget_sequential as forget_sequential
     from .planning import Plan as Plan
     from .planning import TreePlan as TreePlan
     from .planning import plan as plan
-    from .planning import profile_chain as profile_chain
-    from .runtime import Cap as Cap
     from .runtime import cap as cap
 
 __version__ = "0.1.0"
+
+# NOTE [a small face]: the top level holds what a user calls, and the types a
+# user loads a saved plan with (`Plan.load`, `TreePlan.load`); the objects the
+# functions return (a cap's handle, a memory report, a wrapped Sequential) are
+# documented where they are returned and need no name here. Whatever a name
+# here teaches must keep working, so a name comes in only when a user needs it.
 
 # public name -> module that defines it, imported on first access (PEP 562).
 _LAZY: dict[str, str] = {
     "forget": ".engine",
     "chunked": ".engine",
-    "fast_path": ".engine",
     "in_recomputing": ".engine",
     "regenerating": ".engine",
     "checkpoint": "._checkpoint",
     "apply_forget": "._apply",
     "Forget": ".nn",
-    "ForgetSequential": ".nn",
     "forget_sequential": ".nn",
     "measure": ".memory",
     "saved": ".memory",
-    "MemoryReport": ".memory",
-    "SavedReport": ".memory",
     "plan": ".planning",
     "Plan": ".planning",
     "TreePlan": ".planning",
-    "profile_chain": ".planning",
     "cap": ".runtime",
-    "Cap": ".runtime",
 }
 
-# Public submodules, imported on first access; ``schedules`` and ``policies`` import no torch.
-_SUBMODULES = ("models", "policies", "schedules")
+# Public subpackages, imported on first access; ``schedules``, ``policies`` and
+# ``integrations`` import no torch (an integration imports its library when called).
+_SUBMODULES = ("integrations", "policies", "schedules")
 
 __all__ = [
     "BudgetInfeasibleError",
-    "Cap",
     "Forget",
     "ForgetError",
-    "ForgetSequential",
-    "MemoryReport",
     "Plan",
     "RecomputationMismatchError",
-    "SavedReport",
     "TreePlan",
-    "__version__",
     "apply_forget",
     "cap",
     "checkpoint",
     "chunked",
-    "fast_path",
     "forget",
     "forget_sequential",
     "in_recomputing",
     "measure",
-    "models",
     "plan",
     "policies",
-    "profile_chain",
     "regenerating",
     "saved",
-    "schedules",
 ]
 
 

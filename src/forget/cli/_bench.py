@@ -1,6 +1,6 @@
 """``forget bench``: plain vs ``torch.utils.checkpoint`` vs ``forget``, side by side.
 
-Each reference model of :mod:`forget.models` runs one training step (forward,
+Each reference model of `forget.cli._models` runs one training step (forward,
 loss, backward) in three variants, all in one process and on identical
 inputs:
 
@@ -50,11 +50,11 @@ from torch import Tensor
 import forget
 from forget import ForgetError
 
-from ..models import MODEL_NAMES, SIZES, build_model
 from ..planning import time_calls
 from ..schedules import MIB
 from . import _bench_cap
 from ._common import BLOCK_WRAPPERS, Progress, mib, require_matplotlib, wrote
+from ._models import MODEL_NAMES, SIZES, build_model
 
 VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")
 ALIASES: dict[str, str] = {"mlp": "residual_mlp", "cnn": "small_cnn", "gpt": "tiny_gpt"}

@@ -39,9 +39,9 @@ from torch import Tensor
 
 import forget
 
-from ..models import BlockModel, build_model
 from ..planning import time_calls
 from ._common import BLOCK_WRAPPERS, mib
+from ._models import BlockModel, build_model
 
 __all__ = ["FRACTIONS", "SHARE", "CapRow", "CapRows", "format_rows", "parse_share", "run"]
 

@@ -36,9 +36,10 @@ from torch import nn
 
 import forget
 from forget import policies
-from forget.models import SIZES, build_model
 from forget.planning import time_calls
 from forget.schedules import MIB
+
+from ._models import SIZES, build_model
 
 __all__ = ["VARIANTS", "format_rows", "run"]
 

@@ -25,9 +25,9 @@ from torch import Tensor, nn
 
 from .. import checkpoint, policies
 from .. import schedules as P
-from ..models import MODEL_NAMES, BlockModel, BlockWrapper, build_model, model_settings
 from ..policies import Policy
 from ..schedules import MIB
+from ._models import MODEL_NAMES, BlockModel, BlockWrapper, build_model, model_settings
 
 #: The budget of one plan, as every command reads it: `forget.schedules.parse_budget`'s
 #: grammar (bytes, ``"512MiB"``, ``"50%"``), or ``min``, the least feasible budget.

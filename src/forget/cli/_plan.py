@@ -26,7 +26,6 @@ import torch
 from .. import schedules as P
 from ..errors import BudgetInfeasibleError
 from ..memory import frozen_heap
-from ..models import MODEL_NAMES, SIZES
 from ..planning import (
     Plan,
     Planner,
@@ -56,6 +55,7 @@ from ._common import (
     step_error,
     wrote,
 )
+from ._models import MODEL_NAMES, SIZES
 
 DEFAULT_BUDGETS = "75%,50%,35%,min"
 

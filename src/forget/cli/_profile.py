@@ -23,7 +23,6 @@ import torch
 
 from ..errors import BudgetInfeasibleError
 from ..memory import Ledger, frozen_heap, watch
-from ..models import MODEL_NAMES, SIZES
 from ..planning import Plan, Planner, TreePlan, TreePlanner, untouched, zero_grads
 from ..schedules import MIB, format_bytes
 from ._common import (
@@ -43,6 +42,7 @@ from ._common import (
     step_error,
     wrote,
 )
+from ._models import MODEL_NAMES, SIZES
 
 
 class _TimelineLedger(Ledger):

@@ -16,7 +16,7 @@ it cannot undo raises `ForgetError` and sends the site back to the exact path.
 A policy, ``debug=True``, an explicit ``generator=`` or a write into anything but
 a reached buffer keep a site exact; code the guard cannot see (a global written,
 a large or device buffer written without a version bump) needs
-``forget.fast_path(False)``.
+``forget.engine.fast_path(False)``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def fast_path(enabled: bool = True) -> Iterator[None]:
 
     Example:
         >>> import torch, forget
-        >>> with forget.fast_path(False):
+        >>> from forget.engine import fast_path
+        >>> with fast_path(False):
         ...     y = forget.checkpoint(torch.nn.Linear(2, 2), torch.ones(1, 2))
     """
     if not isinstance(enabled, bool):
@@ -321,7 +322,7 @@ class Guard:
                     "not write into, so its value before the forward was not kept and the "
                     "recomputation cannot be exact (NOTE [fast path]). Later calls of it "
                     "run the exact path; run this step again, or wrap the first call in "
-                    "forget.fast_path(False)."
+                    "forget.engine.fast_path(False)."
                 )
             pairs.append((t, copy))
         return pairs, write_only

@@ -9,7 +9,8 @@ transformers (4.35 and later, 5.x) checkpoints a layer by calling the
 then puts `forget.checkpoint` in place of that function on each such module, so
 every layer transformers checkpoints runs as a forgotten region (gradients as
 plain, dropout replayed, buffers updated once; ``policy`` selects what each layer
-keeps). With ``budget=`` it picks no layers: it puts a plan in force.
+keeps). With ``budget=`` it picks no layers: it puts a plan in force; `cap`
+puts a runtime cap in force instead.
 
 NOTE [one door]: everything that switches checkpointing on calls the model's
 ``activation_checkpointing_enable``: ``Trainer.train()`` when
@@ -95,9 +96,11 @@ from ._transformers_head import chunked_loss_of as chunked_loss_of
 
 if TYPE_CHECKING:
     from ..planning import TreePlan
+    from ..runtime import Cap
 
 __all__ = [
     "ChunkedLoss",
+    "cap",
     "cap_of",
     "checkpoint_function",
     "checkpointed_layers",
@@ -127,7 +130,6 @@ def enable(
     loss_fn: Callable[[Any], Any] | None = None,
     candidates: str | type | Iterable[str | type] | None = None,
     options: Mapping[str, Policy | bool] | None = None,
-    cap: int | float | str | None = None,
 ) -> Any:
     """Turn on gradient checkpointing in ``model``, run by forget; with ``budget``, a fitted plan.
 
@@ -143,10 +145,7 @@ def enable(
         model: a ``transformers.PreTrainedModel`` (one that supports gradient
             checkpointing, unless ``budget`` is given), or a PEFT model wrapping one.
         policy: what each layer keeps (`forget.policies`); ``None`` keeps nothing
-            but the layer inputs. Not with ``budget`` (see ``options``). With
-            ``cap``, what a region evicted in part keeps (`forget.cap`'s
-            ``partial``, NOTE [partial evictions]): ``None`` its default,
-            ``"selective"``; ``False`` evicts whole layers only.
+            but the layer inputs. Not with ``budget`` (see ``options``).
         preserve_rng_state: replay RNG in the recomputation (dropout stays exact);
             ``None`` keeps what the checkpoint keyword arguments say, else ``True``.
             Not with ``budget``: a plan's regions always replay it.
@@ -165,8 +164,6 @@ def enable(
         candidates: which submodules may be regions, as `forget.plan` takes them.
         options: name -> policy, partial keeps a region may take instead of
             forgetting everything, as `forget.plan` takes them.
-        cap: instead of a plan, a runtime cap, what `forget.cap` takes (NOTE [cap in
-            force]): every step, of any shape, under it; no planning run.
 
     Returns:
         ``model`` itself, changed in place. As with transformers' own
@@ -187,14 +184,6 @@ def enable(
     """
     n = every_n_layers
     planning = {"inputs": inputs, "loss_fn": loss_fn, "candidates": candidates, "options": options}
-    if cap is not None:
-        others = {**planning, "candidates": None, "budget": budget}
-        others |= {"preserve_rng_state": preserve_rng_state, "every_n_layers": n}
-        partial = "selective" if policy is None else None if policy is False else as_policy(policy)
-        capped = _base_model(model, layers=False)
-        at = _door(capped) or _ForgetDoor(capped, _found_options(capped))
-        enable_cap(at, _checkpointing_state(capped), _put_back, cap, candidates, others, partial)
-        return model
     if budget is not None:
         layer_options = {"policy": policy, "preserve_rng_state": preserve_rng_state}
         return _enable_plan(model, budget, planning, {**layer_options, "every_n_layers": n})
@@ -222,6 +211,40 @@ def enable(
         door.put_forget_in()  # NOTE [settings kept]
     else:
         door.switch_on(every_n_layers=1 if every_n_layers is None else every_n_layers)
+    return model
+
+
+def cap(
+    model: Any,
+    budget: int | float | str,
+    *,
+    candidates: str | type | Iterable[str | type] | None = None,
+) -> Any:
+    """Keep every training step of ``model`` under ``budget`` with a runtime cap, no plan.
+
+    The cap (`forget.cap`) decides at run time, step by step and whatever the
+    shapes, which regions to evict and re-run in backward; nothing is planned
+    beforehand. As with a plan, transformers' own checkpointing is off and stays
+    off, and the cap stays in force through ``Trainer`` until `disable` or
+    `enable` (NOTE [cap in force]).
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` or a PEFT model wrapping one.
+        budget: what `forget.cap` takes: bytes or a size (``"2GiB"``); on CUDA
+            also ``"free"`` or a share of what is free.
+        candidates: which submodules may be regions, as `forget.cap` takes them.
+
+    Returns:
+        ``model`` itself, changed in place; ``cap_of(model)`` is the cap's handle.
+
+    Raises:
+        ImportError: transformers is not installed.
+        TypeError: ``model`` is not a ``PreTrainedModel`` (nor wraps one).
+        ValueError: what `forget.cap` refuses. The model is left as it was.
+    """
+    base = _base_model(model, layers=False)
+    door = _door(base) or _ForgetDoor(base, _found_options(base))
+    enable_cap(door, _checkpointing_state(base), _put_back, budget, candidates)
     return model
 
 
@@ -270,8 +293,8 @@ def plan_of(model: Any) -> TreePlan | None:
     return getattr(_door_of(model), "plan", None)
 
 
-def cap_of(model: Any) -> Any:
-    """The `forget.runtime.Cap` that ``enable(model, cap=...)`` put in force, or ``None``."""
+def cap_of(model: Any) -> Cap | None:
+    """The handle of the cap ``cap(model, budget)`` put in force (`forget.cap`'s), or ``None``."""
     return getattr(_door_of(model), "cap", None)
 
 
@@ -384,7 +407,7 @@ class _ForgetDoor:
     def keep_plan(self, given: Mapping[str, Any], every_n_layers: int) -> None:
         """The door called under a plan or a cap: nothing switched on; what cannot hold raises."""
         fixed, how = (self.plan, "a plan fitted to") if self.plan else (self.cap, "a cap of")
-        chooser = f"{how} {fixed.budget_bytes:,} B chooses (enable(model, budget= or cap=))"
+        chooser = f"{how} {fixed.budget_bytes:,} B chooses (enable(model, budget=) or cap)"
         # Taken: use_reentrant (the engine is never reentrant), and what the regions do.
         taken = {("preserve_rng_state", True)}
         asked = [

@@ -253,7 +253,7 @@ def is_chain_model(model: object) -> TypeGuard[ChainModel]:
     it has ``blocks`` (an ``nn.ModuleList``), a ``blocks_runner`` attribute
     (``None``: its own loop; else a callable running all blocks), and
     ``embed(x)`` (the first block's input) and ``step(x, target)`` (one training
-    step) methods. The reference models of `forget.models` are such models;
+    step) methods. The reference models of `forget.cli._models` are such models;
     planning knows them by these names alone, not by their class.
     """
     return (
@@ -288,7 +288,7 @@ def _whole_target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None
     if isinstance(model, nn.Module):
         raise TypeError(
             f"forget: plan takes an nn.Sequential, an nn.ModuleList or list of blocks, or a "
-            f"reference model (forget.models), got {type(model).__name__}; pass its list of "
+            f"chain model (blocks, embed, step), got {type(model).__name__}; pass its list of "
             "blocks, p = forget.plan(model.layers, x, budget=...), and run them with "
             "p.apply(model.layers), a callable over the blocks"
         )
@@ -303,7 +303,7 @@ def _whole_target(model: object, inputs: tuple[Any, ...], loss_fn: LossFn | None
         return _Target(blocks, modules, inputs, "callables", None, loss_fn)
     raise TypeError(
         "forget: plan takes an nn.Sequential, an nn.ModuleList or list of blocks, or a "
-        f"reference model (forget.models), got {type(model).__name__}"
+        f"chain model (blocks, embed, step), got {type(model).__name__}"
     )
 
 

@@ -27,7 +27,7 @@ within the cap (from the key's second one where it evicted: the first evicts
 more than it needs) and used while its estimate is within the cap and the cap
 is no higher than the one it was made under. On CUDA a repeated step's allocator
 peak above the estimate forgets the decision. A step whose memory depends on its
-values (experts' routing, dropped padding) wants ``repeat_known_shapes=False``.
+values (experts' routing, dropped padding) wants the handle's ``repeat_known_shapes`` set to False.
 Figures: benchmarks/measured.md, "A cap never reached".
 """
 
@@ -75,10 +75,6 @@ def cap(
     budget: int | float | str,
     *,
     candidates: str | type | Iterable[str | type] | None = None,
-    eviction: str = "largest",
-    repeat_known_shapes: bool = True,
-    read_allocator: str = "largest",
-    partial: str | Policy | None = "selective",
 ) -> Cap:
     """Keep every training step of ``model`` under ``budget`` bytes, in place, with no plan.
 
@@ -89,7 +85,10 @@ def cap(
     a step allocates beyond what was allocated when it began, the figure
     `forget.measure` reports (NOTE [the cap's count]). Gradients are those of
     the plain step, bitwise on CPU; dropout is replayed and BatchNorm
-    statistics are updated once.
+    statistics are updated once. A step of shapes seen before repeats what the
+    cap decided for them, with no count (NOTE [steps of known shapes]); from a
+    shape's second step on, a region may go in part first, keeping its linear
+    layers' and attention's outputs (NOTE [partial evictions]).
 
     Args:
         model: the module whose forward a training step calls.
@@ -102,29 +101,6 @@ def cap(
             the repeated blocks and the modules around them (NOTE [tree
             candidates]), with the children of a one-of-a-kind one (a stem)
             as regions inside it (NOTE [finer regions]).
-        eviction: which region goes first when the step must give memory back,
-            by name: ``"largest"`` (the default: the most bytes freed), ``"dtr"``
-            (DTR's least cost / (bytes x staleness)), ``"first_run"`` or
-            ``"cheapest_per_byte"`` (NOTE [eviction order]).
-        repeat_known_shapes: a step of shapes the cap has seen hold repeats its
-            decision with no count: plain where nothing was evicted (NOTE [steps
-            of known shapes]); ``False`` for a model whose memory depends on
-            its values.
-        read_allocator: on CPU, which steps read the allocator's own record, to learn
-            what the cap's count of tensors misses (kernels' own buffers: NOTE
-            [what the count misses]): ``"largest"`` (the default: the first capped
-            step, each with more input elements than any read before, the next
-            of a size whose read passed the cap and, with ``partial``, the second
-            of shapes none of these read), ``"every"`` (every step, its peak then
-            in `StepReport.allocator_peak_bytes`) or ``"never"``. CUDA's counters
-            are read on every step whatever this says.
-        partial: what a region evicted in part keeps (NOTE [partial evictions]):
-            ``"selective"`` (the outputs of its linear layers, fused attention and
-            dropout masks, as `forget.plan`'s option of that name) or a
-            `forget.policies.Policy` that keeps op outputs; ``None`` evicts whole
-            regions only. A region goes in part only from the second capped step
-            of a shape on (on CPU, of a shape a record read), and only where that
-            keeps at most a quarter of what it holds.
 
     Returns:
         A `Cap`; ``handle.remove()`` puts the model back as it was.
@@ -132,7 +108,7 @@ def cap(
     Raises:
         TypeError: ``model`` is no ``nn.Module``; a budget of another type.
         ValueError: a budget that is no size; a share on CPU; a model with no
-            candidate region; an eviction order or ``read_allocator`` of another name.
+            candidate region.
         ForgetError: the model runs under a cap or a plan already. During a step:
             a cap that cannot hold, naming the least the step needs.
 
@@ -150,6 +126,37 @@ def cap(
         False
         >>> handle.remove()
         Sequential(...)
+    """
+    return _cap_with(model, budget, candidates=candidates)
+
+
+# NOTE [the cap's defaults]: how a cap evicts (the largest region first), which
+# CPU steps read the allocator (the largest shapes so far), whether a step of
+# shapes seen repeats its decision (yes), and what a region evicted in part keeps
+# (the selective keep) are fixed, not `cap`'s arguments: each was chosen by
+# measuring the alternatives side by side, and the records are in
+# benchmarks/measured.md (the eviction orders, the allocator's reads, steps of
+# known shapes, partial evictions). `_cap_with` takes them for the benchmarks and
+# tests that compare them; a handle's ``repeat_known_shapes`` may be set to
+# False for a model whose memory depends on its values (NOTE [steps of known
+# shapes]).
+def _cap_with(
+    model: nn.Module,
+    budget: int | float | str,
+    *,
+    candidates: str | type | Iterable[str | type] | None = None,
+    eviction: str = "largest",
+    repeat_known_shapes: bool = True,
+    read_allocator: str = "largest",
+    partial: str | Policy | None = "selective",
+) -> Cap:
+    """`cap` with its defaults open (NOTE [the cap's defaults]): for benchmarks and tests.
+
+    ``eviction``: an order of `EVICTIONS` (NOTE [eviction order]);
+    ``repeat_known_shapes`` (NOTE [steps of known shapes]); ``read_allocator``:
+    ``"largest"``, ``"every"`` or ``"never"`` (NOTE [what the count misses]);
+    ``partial``: ``"selective"``, a policy that keeps op outputs, or ``None``
+    for whole regions only (NOTE [partial evictions]).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -208,6 +215,9 @@ class Cap:
         model: the capped model.
         names: the candidate regions, dotted names.
         eviction: the eviction order's name (NOTE [eviction order]).
+        repeat_known_shapes: whether a step of shapes seen repeats its decision
+            (NOTE [steps of known shapes]); set it to False for a model whose
+            memory depends on its values, not its shapes.
     """
 
     def __init__(
@@ -239,18 +249,7 @@ class Cap:
         self._extra_bytes = 0
         self._reads = Reads(read_allocator)  # NOTE [what the count misses]
         self._walks = ModuleWalks()  # NOTE [cached walks]
-        wrapped: list[nn.Module] = []
-        try:
-            for name in names:
-                module = model.get_submodule(name)
-                _wrap(module, functools.partial(self._region_forward, name))
-                wrapped.append(module)
-            _wrap(model, self._model_forward)
-            wrapped.append(model)
-        except BaseException:
-            for module in wrapped:
-                _unwrap(module)
-            raise
+        self._install()
 
     @property
     def partial(self) -> Policy | None:
@@ -289,6 +288,34 @@ class Cap:
         _unwrap(self.model)
         self._step = None
         return self.model
+
+    def apply(self) -> nn.Module:
+        """Put this cap in force again after `remove`, as it was; return the model.
+
+        Its settings and what it had learned stay; the step in flight at `remove`
+        was dropped, as `remove` drops it.
+
+        Raises:
+            ForgetError: the model runs under a cap or a plan now.
+        """
+        _refuse_wrapped(self.model)
+        self._install()
+        return self.model
+
+    def _install(self) -> None:
+        """Wrap the regions' forwards and the model's; none of them where one fails."""
+        wrapped: list[nn.Module] = []
+        try:
+            for name in self.names:
+                module = self.model.get_submodule(name)
+                _wrap(module, functools.partial(self._region_forward, name))
+                wrapped.append(module)
+            _wrap(self.model, self._model_forward)
+            wrapped.append(self.model)
+        except BaseException:
+            for module in wrapped:
+                _unwrap(module)
+            raise
 
     def __repr__(self) -> str:
         return f"<forget cap of {self._budget_bytes:,} B over {len(self.names)} regions>"

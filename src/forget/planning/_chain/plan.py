@@ -156,7 +156,7 @@ class Plan(SavedAsJson):
         Args:
             model: an ``nn.Sequential`` (returns a `PlannedSequential` with the
                 same layers and state_dict keys), a reference model of
-                `forget.models` (sets its ``blocks_runner``; returns it), or a
+                `forget.cli._models` (sets its ``blocks_runner``; returns it), or a
                 list / ``nn.ModuleList`` of blocks (returns a callable).
         """
         if is_chain_model(model):

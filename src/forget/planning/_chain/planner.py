@@ -189,7 +189,7 @@ def plan(
 
     Args:
         model_or_blocks: an ``nn.Sequential``, an ``nn.ModuleList`` or list of
-            blocks (tensor -> tensor), a reference model of `forget.models`, or
+            blocks (tensor -> tensor), a reference model of `forget.cli._models`, or
             any other ``nn.Module`` (planned as a module tree).
         *sample_inputs: the first block's input (reference model: ``x, target``);
             for a module tree, the model's positional inputs.

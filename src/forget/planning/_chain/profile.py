@@ -291,7 +291,7 @@ def profile_chain(
 
     Args:
         blocks: an ``nn.Sequential``, an ``nn.ModuleList`` or list of callables
-            (tensor -> tensor), or a reference model of `forget.models`.
+            (tensor -> tensor), or a reference model of `forget.cli._models`.
         *sample_inputs: the first block's input (a reference model: ``x, target``).
         loss_fn: unused here (accepted so that the arguments match `plan`).
         options: name -> policy: partial keeps the planner may pick per stage.

@@ -1,4 +1,4 @@
-"""Reference models for benchmarks, tests and examples.
+"""Reference models for the CLI's demo and bench, and for tests and benchmarks (not public).
 
 Three small networks, each a stem, a ``blocks`` list of repeated blocks and a
 head, so that a harness can run every block through a wrapper: a plain call,
@@ -26,7 +26,7 @@ untouched.
 
 Example:
     >>> import torch
-    >>> from forget.models import build_model
+    >>> from forget.cli._models import build_model
     >>> model = build_model("residual_mlp", "tiny", seed=0)
     >>> x, target = model.example_input(4, generator=torch.Generator().manual_seed(0))
     >>> loss = model.loss(model(x), target)
