@@ -75,6 +75,6 @@ def cleared(
             plan.apply(model)
             door.plan = plan
         elif capped is not None:
-            door.cap = Cap(model, list(capped.names), capped.budget_bytes, capped.eviction)
+            door.cap = Cap(model, list(capped.names), capped.budget, capped.eviction)
 
     return undo

@@ -70,6 +70,7 @@ from torch import Tensor, nn
 
 from ... import schedules as P
 from ...errors import BudgetInfeasibleError
+from ...memory import budget_bytes as read_budget
 from ...memory import frozen_heap
 from ...policies import Policy
 from .._guard import guarded_peak
@@ -203,11 +204,11 @@ def plan(
         *sample_inputs: the first block's input (reference model: ``x, target``);
             for a module tree, the model's positional inputs.
         budget: bytes (``int``), a string (``"512MiB"``, ``"2GB"``, ``"50%"``),
-            or a fraction in ``(0, 1]`` of the plain step's peak: for a module
-            tree the predicted one (its plain step never runs: NOTE [planning
-            within the budget]), for a chain the measured one. For a module
-            tree on CUDA, ``"free"``: what the device has free now, less a
-            margin (NOTE [free budget]); the default there.
+            or a fraction in ``(0, 1]`` of the plain step's predicted peak (the
+            plain step never runs: NOTE [planning within the budget]). On CUDA,
+            ``"free"``: what the device has free now, less a margin (NOTE
+            [free budget]); for a module tree the default there (NOTE [one
+            budget] in `forget.memory`).
         loss_fn: output -> scalar loss for the step (default: ``output.sum()``;
             for a module tree ``output.loss`` when the output has one).
         algorithm: the planner (``"optimal"``, ``"uniform"``, ``"sqrt"``, ...);
@@ -478,11 +479,13 @@ class Planner:
     @heap_returned()  # NOTE [freed heap] in `._heap`
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
         chain, trials = self.chain, self.trials
+        inputs = [t for t in self.target.inputs if isinstance(t, Tensor)]
+        cuda = next((t.device for t in inputs if t.device.type == "cuda"), None)
         if self.outside is None:
             # A share is of the predicted plain peak, which needs what lies outside the
             # chain model: learned under the share of the chain model's own (no more).
-            self._learn_outside(P.parse_budget(budget, self.store_all.predicted_peak_bytes))
-        budget_bytes = P.parse_budget(budget, self.plain_peak)
+            self._learn_outside(read_budget(budget, self.store_all.predicted_peak_bytes, cuda))
+        budget_bytes = read_budget(budget, self.plain_peak, cuda)
         trials.limit_bytes = budget_bytes
         outside = self.outside or 0
         chain_min = P.min_feasible_bytes(chain, algorithm)

@@ -126,10 +126,10 @@ from torch import nn
 
 from ... import schedules as P
 from ...errors import BudgetInfeasibleError
+from ...memory import budget_bytes as read_budget
 from ...memory import frozen_heap
 from ...policies import Policy
 from .._guard import Peak, guarded_peak
-from .._guard import budget_bytes as resolve_budget
 from .._heap import heap_returned
 from .._targets import _check_options, untouched, zero_grads
 from .._timing import fastest_of, time_calls
@@ -251,7 +251,7 @@ class TreePlanner:
         self.ceiling_bytes = (
             self.plain_peak
             if budget is None
-            else resolve_budget(budget, self.plain_peak, self.profile.probe)
+            else read_budget(budget, self.plain_peak, self.profile.cuda)
         )
         self._scan: list[dict[str, str]] | None = None  # NOTE [least on demand]
 
@@ -484,14 +484,14 @@ class TreePlanner:
             budget: bytes, a size string (``"512MiB"``) or a share of the plain
                 step's predicted allocator peak (``"60%"``, ``0.6``; the plain
                 step never runs: NOTE [planning within the budget]); on CUDA
-                ``"free"``, the default there (NOTE [free budget] in `._guard`).
+                ``"free"``, the default there (NOTE [free budget] in `forget.memory`).
 
         Raises:
             BudgetInfeasibleError: below the least peak measured of any
                 assignment tried, or predicted where none fits
                 (``min_feasible_bytes``).
         """
-        budget_bytes = resolve_budget(budget, self.plain_peak, self.profile.probe)
+        budget_bytes = read_budget(budget, self.plain_peak, self.profile.cuda)
         self.limit_bytes = budget_bytes
         plain_fits = budget_bytes >= self.plain_peak and self.peak({}) <= budget_bytes
         if not plain_fits:

@@ -110,7 +110,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
@@ -118,8 +117,10 @@ from ... import schedules as P
 from ...engine import storage_of
 from ...errors import BudgetInfeasibleError, ForgetError
 from ...memory import Ledger, StorageRecord, watch
+from ...memory import budget_bytes as read_budget
+from ...memory import faked as fake_inputs
 from ...policies import Policy
-from .._guard import Overrun, budget_bytes, guard
+from .._guard import Overrun, guard
 from .._targets import untouched, zero_grads
 from .alone import Layout as _Layout
 from .alone import alone_figures
@@ -143,11 +144,20 @@ class TreeProfile:
     probe: str
     calls: tuple[Call, ...]  # the step's module calls (NOTE [one structure per step])
 
+    @property
+    def cuda(self) -> torch.device | None:
+        """The CUDA device a ``"free"`` budget reads (NOTE [free budget]); None off CUDA."""
+        return _cuda(self.probe)
+
 
 def allocator_probe(step: TreeStep) -> str:
     """The probe whose peak counts: CUDA's allocator on CUDA, the CPU allocator's events else."""
     tensors = [*step.model.parameters(), *step.target().inputs]
     return "cuda" if any(t.device.type == "cuda" for t in tensors) else "profiler"
+
+
+def _cuda(probe: str) -> torch.device | None:
+    return torch.device("cuda") if probe == "cuda" else None
 
 
 def profile_tree(
@@ -209,7 +219,7 @@ def profile_tree(
         # run under the guard; a share of the plain peak is taken of the fake run's
         # ledger peak here, no more than of the predicted plain peak it plans with.
         known = budget is not None or probe == "cuda"  # None: "free" on CUDA
-        limit = budget_bytes(budget, max(1, ledger_peak), probe) if known else None
+        limit = read_budget(budget, max(1, ledger_peak), _cuda(probe)) if known else None
         overrun: tuple[int, int] | None = None
         try:
             with guard(limit, probe), traced(model) as real, torch.no_grad():
@@ -311,23 +321,8 @@ class _FakeStep:
 
 @contextlib.contextmanager
 def faked(step: TreeStep) -> Iterator[_FakeStep]:
-    """``step`` on fake tensors, inside torch's `FakeTensorMode` (NOTE [tree figures]).
-
-    Every op runs on its shapes alone and allocates nothing, while the ledger
-    still sees each storage an op makes, with its bytes: the step's figures
-    without its memory. Parameters and buffers are faked too (their storages
-    are then inputs the ledger does not count, as real ones are), so the real
-    model's gradients and buffers are not touched.
-    """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = step.model
-    with mode:
-        state: dict[str, Tensor] = {}
-        for name, p in model.named_parameters():
-            state[name] = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
-        for name, b in model.named_buffers():
-            state[name] = mode.from_tensor(b)
-        args, kwargs = pytree.tree_map_only(Tensor, mode.from_tensor, (step.args, step.kwargs))
+    """``step`` on fake tensors (`forget.memory.faked`, NOTE [tree figures])."""
+    with fake_inputs(step.model, step.args, step.kwargs) as (state, args, kwargs):
         yield _FakeStep(step, state, args, kwargs)
 
 
