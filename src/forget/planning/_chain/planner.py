@@ -475,6 +475,37 @@ class Planner:
         if self.least_schedule.items in self.trials.peaks:
             self.outside = peak - self.least_schedule.predicted_peak_bytes
 
+    def _infeasible(
+        self, budget_bytes: int, schedules: Sequence[P.Schedule]
+    ) -> BudgetInfeasibleError:
+        """The error for a budget no schedule fits, naming one at which planning works.
+
+        NOTE [an infeasible budget named] in `._tree.planner`: ``schedules`` (the
+        least-memory one and the baselines, which planning at any budget measures
+        first) are measured under the predicted plain peak, not under the budget.
+        """
+        limit = self.trials.limit_bytes
+        self.trials.limit_bytes = max(budget_bytes, self.plain_peak)
+        try:
+            if self.outside is None:
+                self._learn_outside(self.trials.limit_bytes)
+            peaks = {self.trials.peak(schedule) for schedule in schedules}
+        finally:
+            self.trials.limit_bytes = limit
+        least = min(peaks)
+        measured = any(peak == least for peak in self.trials.peaks.values())
+        if not measured:  # every step stopped: the least is the model's, at least the bound
+            least = max(least, schedules[0].predicted_peak_bytes + (self.outside or 0))
+        how = "measured" if measured else "an estimate: no step tried fits the plain peak"
+        return BudgetInfeasibleError(
+            f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
+            f"{least:,} B (the least peak of any schedule tried, {how}; the plain step is "
+            f"predicted to peak at {self.plain_peak:,} B); plan with a budget of {least:,} B "
+            "or more",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=max(least, budget_bytes + 1),
+        )
+
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
     @heap_returned()  # NOTE [freed heap] in `._heap`
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
@@ -500,17 +531,7 @@ class Planner:
         plain = trials.peaks.get(self.store_all.items)
         min_feasible = min(peaks) if plain is None else min(plain, *peaks)
         if budget_bytes < min_feasible:
-            measured = any(peak == min_feasible for peak in trials.peaks.values())
-            if not measured:  # every step stopped: the least is the model's, at least the bound
-                min_feasible = max(min_feasible, least.predicted_peak_bytes + outside)
-            how = "measured" if measured else "an estimate: no step tried fits the budget"
-            raise BudgetInfeasibleError(
-                f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
-                f"{min_feasible:,} B (the least peak of any schedule tried, {how}; the "
-                f"plain step is predicted to peak at {self.plain_peak:,} B)",
-                budget_bytes=budget_bytes,
-                min_feasible_bytes=min_feasible,
-            )
+            raise self._infeasible(budget_bytes, [least, *self.baselines])
         plain_fits = budget_bytes >= self.plain_peak and trials.peak(self.store_all) <= budget_bytes
         if plain_fits:
             fitting = [(self.store_all, trials.peak(self.store_all))]

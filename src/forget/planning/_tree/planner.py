@@ -383,6 +383,36 @@ class TreePlanner:
         """Whether `least` has measured the least feasible budget (NOTE [least on demand])."""
         return all(_key(choices) in self.measured for choices in self._least_points())
 
+    def infeasible(self, budget_bytes: int) -> BudgetInfeasibleError:
+        """The error for a budget no plan fits, naming one at which planning works (NOTE [an
+        infeasible budget named]); every infeasible budget's message is made here."""
+        limit = self.limit_bytes
+        # The budget is infeasible anyway: the least points are measured under the
+        # predicted plain peak, not under the budget, which stopped them.
+        self.limit_bytes = max(budget_bytes, self.plain_peak)
+        try:
+            for choices in self._least_points():
+                self.peak(choices)
+        finally:
+            self.limit_bytes = limit
+        least = self._least_measured()
+        if not any(peak == least for _, peak in self.measured.values()):
+            how = "an estimate: no step tried fits even the predicted plain peak"
+        else:
+            how = "measured"
+            # Planning at it runs the forward without grad within it (NOTE [an
+            # infeasible budget named]).
+            least = max(least, self.profile.forward_peak_bytes)
+        return BudgetInfeasibleError(
+            f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
+            f"{least:,} B (the least allocator peak of any plan, {how}; the plain step is "
+            f"predicted to peak at {self.plain_peak:,} B); plan with a budget of "
+            f"{least:,} B or more, or offer more candidates (candidates=) or options "
+            "(options=)",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=max(least, budget_bytes + 1),
+        )
+
     def _least_measured(self) -> int:
         """The least allocator peak measured so far, or (none measured) `least`'s estimate."""
         if self.measured:
@@ -492,6 +522,8 @@ class TreePlanner:
                 (``min_feasible_bytes``).
         """
         budget_bytes = read_budget(budget, self.plain_peak, self.profile.cuda)
+        if budget_bytes < self.profile.infeasible_below_bytes:
+            raise self.infeasible(budget_bytes)  # the forward without grad passed it
         self.limit_bytes = budget_bytes
         plain_fits = budget_bytes >= self.plain_peak and self.peak({}) <= budget_bytes
         if not plain_fits:
@@ -499,25 +531,12 @@ class TreePlanner:
             drop_regions(self, budget_bytes)
             if not self.fitting(budget_bytes):
                 self._least()  # NOTE [least on demand], under this budget
-        min_feasible = self._least_measured()
         # NOTE [monotone in the budget]: every assignment measured so far; where the
         # plain step fits, it alone (nothing re-runs).
         fitting = [({}, self.peak({}))] if plain_fits else self.fitting(budget_bytes)
         if not fitting:
-            if not any(peak == min_feasible for _, peak in self.measured.values()):
-                how = "an estimate: no step tried fits the budget"
-            elif self.least_searched():
-                how = "measured"
-            else:  # NOTE [planning within the budget]: a step that might need less stopped
-                how = "measured; steps that may need less passed this budget and were stopped"
-            raise BudgetInfeasibleError(
-                f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
-                f"{min_feasible:,} B (the least allocator peak of any plan, {how}; "
-                f"the plain step is predicted to peak at {self.plain_peak:,} B); raise the "
-                "budget, or offer more candidates (candidates=) or options (options=)",
-                budget_bytes=budget_bytes,
-                min_feasible_bytes=max(min_feasible, budget_bytes + 1),
-            )
+            raise self.infeasible(budget_bytes)
+        min_feasible = self._least_measured()
         best, best_peak = self._without_idle(*self._fastest(fitting), budget_bytes)
         figures = P.tree_figures(self.tree, best)
         order = {name: i for i, name in enumerate(self._names())}

@@ -143,6 +143,11 @@ class TreeProfile:
     plain_ledger_peak_bytes: int  # the fake run's
     probe: str
     calls: tuple[Call, ...]  # the step's module calls (NOTE [one structure per step])
+    # The ledger's peak of the forward without grad on real tensors (CPU; 0 on CUDA):
+    # no budget below it lets planning run (NOTE [an infeasible budget named]).
+    forward_peak_bytes: int = 0
+    # Every budget below this is infeasible: the forward without grad passed it (0: none).
+    infeasible_below_bytes: int = 0
 
     @property
     def cuda(self) -> torch.device | None:
@@ -220,34 +225,25 @@ def profile_tree(
         # ledger peak here, no more than of the predicted plain peak it plans with.
         known = budget is not None or probe == "cuda"  # None: "free" on CUDA
         limit = read_budget(budget, max(1, ledger_peak), _cuda(probe)) if known else None
-        overrun: tuple[int, int] | None = None
-        try:
-            with guard(limit, probe), traced(model) as real, torch.no_grad():
-                step.model(*step.args, **step.kwargs)
-            # Fake tensors may take other paths of the same modules (a model that skips
-            # an all-ones mask when it can read it builds one when it cannot): names only.
-            check_same_calls(model, _names(first), _names(real), "run on real tensors")
-            # A module's step alone runs under the plain step's ledger peak, not the
-            # budget: the profile, and so the plan, is then the same at every budget
-            # (NOTE [heavy modules] in `.alone`).
-            alone_limit = None if limit is None else max(limit, ledger_peak)
-            times, workspace, figures = alone_figures(
-                step, names, rep_of, layouts, parent, policies, repeats, limit, alone_limit, probe
-            )
-        except Overrun as exc:
-            # Raised outside this block: an exception raised here would keep the
-            # stopped forward's frames (its tensors, its regions) as its context.
-            overrun = (exc.limit_bytes, exc.live_bytes)
-        if overrun is not None:
-            limit_bytes, live_bytes = overrun
-            raise BudgetInfeasibleError(
-                f"forget: the budget {limit_bytes:,} B is below the smallest feasible "
-                f"one: {type(model).__name__}'s forward without grad, which keeps no "
-                f"activation, needs more ({live_bytes:,} B and counting); raise the "
-                "budget",
-                budget_bytes=limit_bytes,
-                min_feasible_bytes=live_bytes,
-            )
+        real = _RealRuns(step, names, rep_of, layouts, parent, policies, repeats, probe)
+        infeasible_below = 0
+        if real.run(limit, ledger_peak, first) is not None:
+            # NOTE [an infeasible budget named] in `.planner`: no plan fits the budget;
+            # the profile goes on under the fake run's ledger peak, for the error to
+            # name a budget at which planning works.
+            infeasible_below = (limit or 0) + 1  # a run passed it: it is no None
+            passed = real.run(max(1, ledger_peak), ledger_peak, first)
+            if passed is not None:
+                raise BudgetInfeasibleError(
+                    f"forget: the budget {infeasible_below - 1:,} B is below the smallest "
+                    "feasible one: "
+                    f"{type(model).__name__}'s forward without grad, which keeps no "
+                    "activation, needs more, more even than the plain step is predicted to "
+                    f"peak at on fake tensors ({passed:,} B and counting); raise the budget",
+                    budget_bytes=infeasible_below - 1,
+                    min_feasible_bytes=passed,
+                )
+        times, workspace, figures = real.times, real.workspace, real.figures
         # NOTE [backward work]: a kernel's workspace counts in its module's work.
         for name in names:
             counted.work[name] = counted.work.get(name, 0) + workspace.get(rep_of[name], 0)
@@ -275,7 +271,72 @@ def profile_tree(
     predicted = P.tree_figures(P.Tree(root), {}).peak_bytes
     plain_peak = max(predicted, ledger_peak)
     tree = P.Tree(root, base_bytes=plain_peak - predicted, floor_bytes=floor)
-    return TreeProfile(tree, plain_peak, ledger_peak, probe, tuple(real))
+    return TreeProfile(
+        tree,
+        plain_peak,
+        ledger_peak,
+        probe,
+        tuple(real.calls),
+        forward_peak_bytes=real.forward_peak_bytes,
+        infeasible_below_bytes=infeasible_below,
+    )
+
+
+class _RealRuns:
+    """The profile's runs on real tensors: a forward without grad, then each module alone."""
+
+    def __init__(
+        self,
+        step: TreeStep,
+        names: list[str],
+        rep_of: Mapping[str, str],
+        layouts: Mapping[str, _Layout],
+        parent: Mapping[str, str],
+        policies: Mapping[str, Policy],
+        repeats: int,
+        probe: str,
+    ) -> None:
+        self.step, self.names, self.rep_of, self.layouts = step, names, rep_of, layouts
+        self.parent, self.policies, self.repeats, self.probe = parent, policies, repeats, probe
+        self.calls: list[Call] = []
+        self.forward_peak_bytes = 0
+        self.times: dict[str, float] = {}
+        self.workspace: dict[str, int] = {}
+        self.figures: dict[str, dict[str, tuple[int, int, float]]] = {}
+
+    def run(self, limit: int | None, ledger_peak: int, first: list[Call]) -> int | None:
+        """Run them within ``limit``; the bytes past it where a forward passed it, else None."""
+        step, model = self.step, self.step.model
+        overrun: int | None = None
+        try:
+            with guard(limit, self.probe) as ledger, traced(model) as real, torch.no_grad():
+                step.model(*step.args, **step.kwargs)
+            self.calls = real
+            self.forward_peak_bytes = 0 if ledger is None else ledger.peak
+            # Fake tensors may take other paths of the same modules (a model that skips
+            # an all-ones mask when it can read it builds one when it cannot): names only.
+            check_same_calls(model, _names(first), _names(real), "run on real tensors")
+            # A module's step alone runs under the plain step's ledger peak, not the
+            # budget: the profile, and so the plan, is then the same at every budget
+            # (NOTE [heavy modules] in `.alone`).
+            alone_limit = None if limit is None else max(limit, ledger_peak)
+            self.times, self.workspace, self.figures = alone_figures(
+                step,
+                self.names,
+                self.rep_of,
+                self.layouts,
+                self.parent,
+                self.policies,
+                self.repeats,
+                limit,
+                alone_limit,
+                self.probe,
+            )
+        except Overrun as exc:
+            # Returned outside this block: an exception raised here would keep the
+            # stopped forward's frames (its tensors, its regions) as its context.
+            overrun = exc.live_bytes
+        return overrun
 
 
 def _bytes(
