@@ -31,7 +31,10 @@ head, the loss) is learned, once, from the least-memory schedule's step, run
 under the budget (a share of the chain model's own plain peak, where the
 budget is a share: no more than the budget the share turns out to be). The
 plain peak is then predicted: the chain model's, plus that. A budget at or
-above it measures the plain step, guarded; a stopped schedule is a miss.
+above it measures the plain step, guarded; a stopped schedule is a miss. A
+budget no schedule fits is the exception (NOTE [an infeasible budget named]):
+its error measures the least-memory schedule and the baselines under the
+predicted plain peak, and names the least, where planning works.
 
 NOTE [the last segment]: a top-level region that ends the chain is re-run as
 soon as backward starts, so its activations are back at the very moment they
@@ -240,8 +243,9 @@ def plan(
         runs it.
 
     Raises:
-        BudgetInfeasibleError: the budget is below the smallest feasible one,
-            which the error names (``min_feasible_bytes``).
+        BudgetInfeasibleError: no plan fits the budget; the error names one at
+            which planning works (``min_feasible_bytes``, NOTE [an infeasible
+            budget named]).
         TypeError: arguments for the other kind of model; a module tree's
             output with no loss and no ``loss_fn``.
 

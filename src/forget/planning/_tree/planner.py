@@ -55,7 +55,8 @@ backward), so it is not the frontier's first. Both re-run the most of any
 assignment, and measuring them cost a third of planning at 75 % (3.4 and 2.9
 plain steps each on the Llama, 4.4 and 4.8 on the ResNet of
 benchmarks/tree_targets.py). So they are measured only where the least is
-wanted: where the search found no fit (the error names the least), or when
+wanted: where the search found no fit (under the budget, then for the error
+under the predicted plain peak: NOTE [an infeasible budget named]), or when
 asked (`TreePlanner.least`, the command line's ``--budgets min``). Then the
 search runs once more just below the least measured, up to `_MAX_BELOW`
 times while it finds a lower fit: on Llama of tests/_tree_models.py a plan
@@ -66,7 +67,7 @@ then the least peak the search measured, a budget known to fit, not the
 least. `least` asked by the user measures under the planner's own
 ``budget`` (or the predicted plain peak), not the last budget planned: under
 a budget below the least, both points are stopped, and the least known is
-only a budget measured to fit, which an error then says.
+only a budget measured to fit.
 
 NOTE [planning within the budget]: the user who needs a plan is the one whose
 plain step does not fit, so planning never runs the plain step and never holds
@@ -81,14 +82,27 @@ not timed runs under the guard (NOTE [guarded steps] in
 `._guard`), with the budget as its limit (`forget.plan` hands its budget to
 the profile too): a step the cost model predicted to fit that does not is
 stopped, a measured miss, and the search goes on below it. The timed steps
-(side by side, `_fastest`) are those measured to fit. Where every step tried
-is stopped, the least feasible budget is not measured: the error names the
-cost model's least peak, or the least bound a stopped step passed where that is
-higher. A guard sees an allocation only once it is made, so a stopped step
+(side by side, `_fastest`) are those measured to fit. The one exception is
+a budget no plan fits (NOTE [an infeasible budget named]). A guard sees an allocation only once it is made, so a stopped step
 passes the budget by the one allocation that stopped it, then frees it. The
 ledger's bytes are not the process's resident memory: glibc keeps freed heap
 pages, so planning runs with large blocks mapped for themselves (NOTE [freed
 heap] in `._heap`).
+
+NOTE [an infeasible budget named]: an error that names a lower bound (where the
+guard stopped) sends the user round a loop, each budget naming a larger one.
+So a budget no plan fits names one at which planning works: the two least
+points of NOTE [least on demand] are measured under the predicted plain peak
+instead of the budget (`TreePlanner.infeasible`), and the error names the least
+peak measured, or the forward without grad's ledger peak where that is higher
+(planning at a budget runs that forward within it). Planning at the named
+budget measures both points first where its search finds no fit, and the peaks
+repeat exactly, so it works the first time. This holds more than the budget,
+and only because the user asked for a plan that cannot exist: no plan fits, so
+no plan's step was spared. The profile does the same where its forward without
+grad passed the budget: it goes on under the fake run's ledger peak, and the
+planner names the budget without searching. Naming the predicted least with a
+margin would hold no less: it must be confirmed by the same steps.
 
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path] in `forget.engine`), and the two need
@@ -517,9 +531,9 @@ class TreePlanner:
                 ``"free"``, the default there (NOTE [free budget] in `forget.memory`).
 
         Raises:
-            BudgetInfeasibleError: below the least peak measured of any
-                assignment tried, or predicted where none fits
-                (``min_feasible_bytes``).
+            BudgetInfeasibleError: no assignment fits; ``min_feasible_bytes`` is
+                a budget at which planning works (NOTE [an infeasible budget
+                named]), or predicted where none fits the plain peak.
         """
         budget_bytes = read_budget(budget, self.plain_peak, self.profile.cuda)
         if budget_bytes < self.profile.infeasible_below_bytes:
