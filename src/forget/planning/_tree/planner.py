@@ -83,8 +83,9 @@ not timed runs under the guard (NOTE [guarded steps] in
 the profile too): a step the cost model predicted to fit that does not is
 stopped, a measured miss, and the search goes on below it. The timed steps
 (side by side, `_fastest`) are those measured to fit. The one exception is
-a budget no plan fits (NOTE [an infeasible budget named]). A guard sees an allocation only once it is made, so a stopped step
-passes the budget by the one allocation that stopped it, then frees it. The
+a budget no plan fits (NOTE [an infeasible budget named]). A guard sees an
+allocation only once it is made, so a stopped step passes the budget by the
+one allocation that stopped it, then frees it. The
 ledger's bytes are not the process's resident memory: glibc keeps freed heap
 pages, so planning runs with large blocks mapped for themselves (NOTE [freed
 heap] in `._heap`).
