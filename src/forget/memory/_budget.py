@@ -1,15 +1,17 @@
 """The one budget reader of `plan`, `cap`, `enable` and the command line: bytes, sizes,
 shares of the plain step's peak, and ``"free"`` on CUDA.
 
-NOTE [one budget]: a budget means the same thing wherever forget takes one. Bytes are
-an ``int``; a size string counts decimal units in powers of 1000 (``"2GB"``) and
-binary ones in powers of 1024 (``"512MiB"``), as the units say
-(`forget.schedules.parse_budget`, the pure part). A share (``"50%"``, ``0.5``) is of
-the plain step's peak, predicted where the plain step is not run: the planner's
-prediction for `plan` and `enable`, and for `cap` its own prediction per shape
-(NOTE [a share of the cap]). ``"free"`` is what the CUDA device has free now, less
-one margin (NOTE [free budget]). A share of free memory is none of these, so it
-is not offered: ``"free"`` already says "as much as the device has".
+NOTE [one budget]: a budget means the same thing wherever forget takes one.
+Bytes are an ``int``; a size counts decimal units in powers of 1000 (``"2GB"``)
+and binary ones in powers of 1024 (``"512MiB"``), as the units say
+(`forget.schedules.parse_budget`, the pure part, which has no torch). A share
+(``"50%"``, ``0.5``) is of the plain step's peak, predicted, since the plain step
+is what does not fit: for `plan` and `enable` the planner's prediction, for
+`cap` its own, per shape (NOTE [a share of the cap]); each by the figure the
+tool bounds (the allocator's for a plan, the cap's count for a cap).
+``"free"`` is what the CUDA device has free, less one margin (NOTE [free
+budget]). A share of free memory would be a second meaning, so there is none:
+``"free"`` already says "what the device has".
 
 NOTE [free budget]: ``budget="free"`` is what the CUDA device has free now
 (``torch.cuda.mem_get_info``: other processes and this one's CUDA context
