@@ -59,16 +59,15 @@ from torch.utils import _pytree as pytree
 
 from ..engine import DroppableRegion, ModuleWalks, in_recomputing, run_region
 from ..errors import ForgetError
-from ..memory import AllocatorReading, fake_step_peak
-from ..memory import budget_bytes as read_budget
+from ..memory import AllocatorReading
 from ..planning import find_candidates, is_wrapped
 from ..policies import Policy
-from ..schedules import budget_share
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
 from ._reads import READ_ALLOCATOR, Reads
 from ._regions import Partial, leaf_names, partial_policy, with_finer
 from ._report import StepReport
+from ._share import CapBudget
 from ._steps import Step
 
 __all__ = ["Cap", "cap"]
@@ -166,7 +165,7 @@ def cap(
             f"forget: cap takes an nn.Module, got {type(model).__name__}; pass the model "
             "whose forward the training step calls."
         )
-    _budget_of(budget, _device_of(model))  # a budget that is none raises before any wrapping
+    CapBudget(budget, _device_of(model))  # a budget that is none raises before any wrapping
     if eviction not in EVICTIONS:
         raise ValueError(
             f"forget: no eviction order named {eviction!r}; expected one of "
@@ -196,44 +195,6 @@ def cap(
     return Cap(model, names, budget, eviction, repeat_known_shapes, read_allocator, policy)
 
 
-# NOTE [a share of the cap]: a share means what it means to `forget.plan`, a share
-# of the plain step's peak (NOTE [one budget] in `forget.memory`); but the cap
-# runs no planning, and its steps vary in shape. So at the first step of each
-# shape (the key of NOTE [steps of known shapes]) the plain step is run once on
-# fake tensors (`forget.memory.fake_step_peak`: nothing allocated, the ledger
-# sees every storage) before the real step begins, and the cap for that shape is
-# the share of that ledger peak: the figure the cap bounds (NOTE [the cap's
-# count]). The cap cannot see the loss, so the fake step differentiates the
-# output's ``.loss``, or the sum of its floating tensors: a loss reduces what it
-# is given, and holds little beside it. A step whose shapes give no key is
-# predicted each time; one that cannot run on fake tensors (an op whose output
-# depends on the data) has no prediction, and a share then raises: give bytes.
-
-
-def _budget_of(budget: int | float | str, device: torch.device) -> tuple[float | None, int]:
-    """A cap's budget as (share of the plain peak or None, bytes: 0 for a share)."""
-    share = budget_share(budget)
-    if share is not None:
-        read_budget(budget, 1 << 40, None)  # a share outside (0, 1] raises here
-        return share, 0
-    return None, read_budget(budget, None, device if device.type == "cuda" else None)
-
-
-def _plain_loss(output: Any) -> torch.Tensor:
-    """What the fake plain step differentiates (NOTE [a share of the cap])."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss
-    leaves = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
-    if not leaves:
-        raise ForgetError(
-            "forget: a cap given as a share predicts the plain step's peak, differentiating "
-            "the model's output, and the output holds no floating tensor that requires grad "
-            "(NOTE [a share of the cap]); give the cap in bytes, e.g. forget.cap(model, '2GiB')"
-        )
-    return sum((t.sum() for t in leaves[1:]), leaves[0].sum())
-
-
 class Cap:
     """A cap in force on a model (`cap`): its budget, what it did, and `remove`.
 
@@ -260,12 +221,8 @@ class Cap:
         self._keeping = None if partial is None else Partial(partial, kinds)
         self.eviction = eviction
         self.repeat_known_shapes = repeat_known_shapes
-        self.budget = budget  # as given (NOTE [one budget] in `forget.memory`)
-        self._share, self._budget_bytes = _budget_of(budget, _device_of(model))
-        # NOTE [a share of the cap]: the plain step's predicted peak per key, the latest.
-        self._plain_peaks: dict[tuple[Any, ...], int] = {}
-        self._plain_peak: int | None = None
-        self._predicting = False  # the fake plain step runs: every forward is plain
+        self._budget = CapBudget(budget, _device_of(model))  # NOTE [a share of the cap]
+        self._budget_bytes = self._budget.bytes
         self._step: Step | None = None
         self._history: list[StepReport] = []
         # NOTE [steps of known shapes]: the decision for each key, and the keys run capped.
@@ -300,42 +257,15 @@ class Cap:
         """The cap, in bytes; a share's, of the latest step's shapes (0 before the first)."""
         return self._budget_bytes
 
+    @property
+    def budget(self) -> int | float | str:
+        """The budget as given to `cap` or `set_budget` (NOTE [one budget] in `forget.memory`)."""
+        return self._budget.given
+
     def set_budget(self, budget: int | float | str) -> None:
         """Change the cap from the next step on (what `cap` takes as ``budget``)."""
-        self._share, self._budget_bytes = _budget_of(budget, _device_of(self.model))
-        self.budget = budget
-        if self._share is not None and self._plain_peak is not None:
-            self._budget_bytes = self._of_plain(self._plain_peak)
-
-    def _of_plain(self, plain_peak_bytes: int) -> int:
-        """The share's bytes of a plain peak (NOTE [a share of the cap])."""
-        return read_budget(self.budget, max(1, plain_peak_bytes), None)
-
-    def _share_bytes(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], key: tuple[Any, ...] | None
-    ) -> int:
-        """The cap of a step of these shapes, a share of its plain peak on fake tensors."""
-        plain = self._plain_peaks.get(key) if key is not None else None
-        if plain is None:
-            self._predicting = True
-            try:
-                plain = fake_step_peak(self.model, args, kwargs, _plain_loss)
-            except RuntimeError as exc:
-                if isinstance(exc, ForgetError):
-                    raise
-                raise ForgetError(
-                    f"forget: the cap {self.budget!r} is a share of the plain step's peak, "
-                    f"predicted on fake tensors, and {type(self.model).__name__}'s step "
-                    f"does not run on them ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}); give the cap in "
-                    "bytes, e.g. forget.cap(model, '2GiB') (NOTE [a share of the cap])"
-                ) from None
-            finally:
-                self._predicting = False
-            if key is not None:
-                self._plain_peaks[key] = plain
-        self._plain_peak = plain
-        return self._of_plain(plain)
+        self._budget.set(budget)
+        self._budget_bytes = self._budget.bytes
 
     @property
     def last_step(self) -> StepReport | None:
@@ -455,7 +385,7 @@ class Cap:
         self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         step, repeat = self._step, self._repeat
-        if self._predicting:  # NOTE [a share of the cap]: the fake plain step
+        if self._budget.predicting:  # NOTE [a share of the cap]: the fake plain step
             return original(*args, **kwargs)
         if (step and not step.closed) or (repeat and not repeat.closed) or in_recomputing():
             return original(*args, **kwargs)  # the model called inside its own step
@@ -464,8 +394,8 @@ class Cap:
             return original(*args, **kwargs)
         self._close_previous()  # what it teaches counts for this step
         shapes = self._key(args, kwargs)
-        if self._share is not None:  # NOTE [a share of the cap]
-            self._budget_bytes = self._share_bytes(args, kwargs, shapes)
+        if self._budget.share is not None:  # NOTE [a share of the cap]
+            self._budget_bytes = self._budget.for_step(self.model, args, kwargs, shapes)
         key = shapes if self.repeat_known_shapes else None
         known = self._known.get(key) if key is not None else None
         if key is not None and known is not None and known.holds(self._budget_bytes):
@@ -498,7 +428,7 @@ class Cap:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        if not torch.is_grad_enabled() or self._predicting:
+        if not torch.is_grad_enabled() or self._budget.predicting:
             return original(*args, **kwargs)
         repeat = self._repeat
         if repeat is not None and not repeat.closed:  # NOTE [steps of known shapes]
@@ -512,13 +442,7 @@ class Cap:
             return run_region(original, args, kwargs)
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
-            if self._share is not None and self._plain_peak is None:
-                raise ForgetError(
-                    f"forget: the cap {self.budget!r} is a share of the plain step's peak, "
-                    f"which the cap predicts when {type(self.model).__name__}'s forward is "
-                    f"called, and region {name!r} ran without it; call the model, or give "
-                    "the cap in bytes (NOTE [a share of the cap])"
-                )
+            self._budget.check_predicted(f"region {name!r} ran without the model's forward")
             step = self._begin(args, kwargs)
         region = DroppableRegion(original, args, kwargs, policy=step.policy_for(name))
         entry = step.enter(name, region.forward_inputs())

@@ -120,10 +120,9 @@ from ...memory import Ledger, StorageRecord, watch
 from ...memory import budget_bytes as read_budget
 from ...memory import faked as fake_inputs
 from ...policies import Policy
-from .._guard import Overrun, guard
 from .._targets import untouched, zero_grads
 from .alone import Layout as _Layout
-from .alone import alone_figures
+from .alone import RealRuns
 from .apply import is_wrapped
 from .candidates import ROOT, CandidateSpec, ancestors, find_candidates, parents
 from .step import Call, TreeStep, check_same_calls, step_loss, traced
@@ -225,7 +224,7 @@ def profile_tree(
         # ledger peak here, no more than of the predicted plain peak it plans with.
         known = budget is not None or probe == "cuda"  # None: "free" on CUDA
         limit = read_budget(budget, max(1, ledger_peak), _cuda(probe)) if known else None
-        real = _RealRuns(step, names, rep_of, layouts, parent, policies, repeats, probe)
+        real = RealRuns(step, names, rep_of, layouts, parent, policies, repeats, probe)
         infeasible_below = 0
         if real.run(limit, ledger_peak, first) is not None:
             # NOTE [an infeasible budget named] in `.planner`: no plan fits the budget;
@@ -282,63 +281,6 @@ def profile_tree(
     )
 
 
-class _RealRuns:
-    """The profile's runs on real tensors: a forward without grad, then each module alone."""
-
-    def __init__(
-        self,
-        step: TreeStep,
-        names: list[str],
-        rep_of: Mapping[str, str],
-        layouts: Mapping[str, _Layout],
-        parent: Mapping[str, str],
-        policies: Mapping[str, Policy],
-        repeats: int,
-        probe: str,
-    ) -> None:
-        self.step, self.names, self.rep_of, self.layouts = step, names, rep_of, layouts
-        self.parent, self.policies, self.repeats, self.probe = parent, policies, repeats, probe
-        self.calls: list[Call] = []
-        self.forward_peak_bytes = 0
-        self.times: dict[str, float] = {}
-        self.workspace: dict[str, int] = {}
-        self.figures: dict[str, dict[str, tuple[int, int, float]]] = {}
-
-    def run(self, limit: int | None, ledger_peak: int, first: list[Call]) -> int | None:
-        """Run them within ``limit``; the bytes past it where a forward passed it, else None."""
-        step, model = self.step, self.step.model
-        overrun: int | None = None
-        try:
-            with guard(limit, self.probe) as ledger, traced(model) as real, torch.no_grad():
-                step.model(*step.args, **step.kwargs)
-            self.calls = real
-            self.forward_peak_bytes = 0 if ledger is None else ledger.peak
-            # Fake tensors may take other paths of the same modules (a model that skips
-            # an all-ones mask when it can read it builds one when it cannot): names only.
-            check_same_calls(model, _names(first), _names(real), "run on real tensors")
-            # A module's step alone runs under the plain step's ledger peak, not the
-            # budget: the profile, and so the plan, is then the same at every budget
-            # (NOTE [heavy modules] in `.alone`).
-            alone_limit = None if limit is None else max(limit, ledger_peak)
-            self.times, self.workspace, self.figures = alone_figures(
-                step,
-                self.names,
-                self.rep_of,
-                self.layouts,
-                self.parent,
-                self.policies,
-                self.repeats,
-                limit,
-                alone_limit,
-                self.probe,
-            )
-        except Overrun as exc:
-            # Returned outside this block: an exception raised here would keep the
-            # stopped forward's frames (its tensors, its regions) as its context.
-            overrun = exc.live_bytes
-        return overrun
-
-
 def _bytes(
     step: _FakeStep | TreeStep, names: list[str], named: bool, where: str
 ) -> tuple[list[Call], list[str], dict[str, _Layout], _Bytes]:
@@ -358,10 +300,6 @@ def _gradient_bytes(parameters: Iterable[Tensor]) -> int:
     """Bytes of the gradients a step made: all held at backward's end, whatever the plan
     (``Tree.floor_bytes``, NOTE [tree cost model]); a parameter the step did not use has none."""
     return sum(t.numel() * t.element_size() for t in parameters if t.grad is not None)
-
-
-def _names(calls: list[Call]) -> list[Call]:
-    return [(name, ()) for name, _ in calls]
 
 
 # ------------------------------------------------------------------ passes
