@@ -413,11 +413,13 @@ class TreePlanner:
         least = self._least_measured()
         if not any(peak == least for _, peak in self.measured.values()):
             how = "an estimate: no step tried fits even the predicted plain peak"
-        else:
-            how = "measured"
+        elif least < self.profile.forward_peak_bytes:
             # Planning at it runs the forward without grad within it (NOTE [an
             # infeasible budget named]).
-            least = max(least, self.profile.forward_peak_bytes)
+            how = "measured, raised to what the forward without grad holds"
+            least = self.profile.forward_peak_bytes
+        else:
+            how = "measured"
         return BudgetInfeasibleError(
             f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
             f"{least:,} B (the least allocator peak of any plan, {how}; the plain step is "
