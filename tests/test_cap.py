@@ -402,19 +402,66 @@ def test_regions_under_no_grad_just_run() -> None:
     ("budget", "error", "match"),
     [
         ("lots", ValueError, "cannot read the budget"),
-        ("50%", ValueError, "share of the device's free memory"),
-        ("free", ValueError, "give bytes"),
-        (0.5, ValueError, "give bytes"),
+        ("150%", ValueError, r"must lie in \(0, 1\]"),
+        ("free", ValueError, "the CUDA device has free, and this step runs on"),
+        (1.5, ValueError, r"must lie in \(0, 1\]"),
         (-3, ValueError, "must be positive"),
         (True, TypeError, "not a bool"),
     ],
-    ids=["no-size", "percent-on-cpu", "free-on-cpu", "fraction-on-cpu", "negative", "bool"],
+    ids=["no-size", "percent-past-1", "free-on-cpu", "fraction-past-1", "negative", "bool"],
 )
 def test_bad_budgets(budget: Any, error: type[Exception], match: str) -> None:
     net = _net()
     with pytest.raises(error, match=match):
         forget.cap(net, budget)
     assert not any("forward" in m.__dict__ for m in net.modules())
+
+
+def _sum_step_peak(batch: int) -> int:
+    """The plain step's ledger peak as the cap predicts it: the sum of the output."""
+    net, x = _net(), _x(batch)
+    torch.manual_seed(5)
+    return forget.measure(lambda: net(x).sum().backward()).peak_bytes
+
+
+@pytest.mark.parametrize("share", ["80%", 0.8], ids=["percent", "fraction"])
+def test_a_share_is_of_each_shapes_plain_peak_and_holds_with_the_plain_gradients(share):
+    # NOTE [a share of the cap]: the plain step's peak of each shape, on fake tensors,
+    # what the same step measures on real ones; every step within it, the gradients plain.
+    plain, capped = _net(), _net()
+    batches = (256, 128, 512, 256)
+    handle = forget.cap(capped, share)
+    by_bytes = forget.cap(_net(), int(0.8 * _sum_step_peak(batches[0])))
+    for batch in batches:
+        _step(plain, _x(batch))
+        peak = forget.measure(_step, capped, _x(batch)).peak_bytes
+        assert handle.budget_bytes == int(0.8 * _sum_step_peak(batch))
+        assert peak <= handle.budget_bytes, (batch, peak, handle.last_step)
+        assert _equal(_state(plain)[0], _state(capped)[0])
+        assert _equal(_state(plain)[1], _state(capped)[1])
+    assert all(report.budget_bytes == handle.budget_bytes for report in handle.steps[-1:])
+    assert any(report.evicted for report in handle.steps)
+    # The same bytes given as bytes: the same regions evicted at that shape.
+    _step(by_bytes.model, _x(batches[0]))
+    first = handle.steps[0]
+    assert by_bytes.last_step is not None and by_bytes.last_step.evicted == first.evicted
+    handle.set_budget("100%")  # of the latest shape's plain peak, at once
+    assert handle.budget_bytes == _sum_step_peak(batches[-1])
+
+
+def test_a_share_of_a_step_that_does_not_run_on_fake_tensors_asks_for_bytes() -> None:
+    class Picky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x[x.sum(dim=1) > 0])  # a shape that depends on the data
+
+    net = Picky()
+    forget.cap(net, "50%", candidates=["layers.0", "layers.1"])
+    with pytest.raises(forget.ForgetError, match="does not run on them"):
+        net(_x(16)).sum().backward()
 
 
 def test_bad_models() -> None:

@@ -173,3 +173,23 @@ def test_a_cap_on_cuda_evicting_in_part_holds_every_step_and_stays_exact():
         assert all(torch.equal(want[n], p.grad) for n, p in capped.named_parameters())
     assert any(s.partial for s in handle.steps)
     handle.remove()
+
+
+def test_free_and_a_share_mean_for_a_cap_what_they_mean_for_a_plan():
+    # NOTE [one budget], NOTE [free budget]: "free" less the one margin; a share of the
+    # plain step's peak, which the cap predicts on fake tensors for each shape.
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU()) for _ in range(4)])
+    net = net.cuda()
+    free, total = torch.cuda.mem_get_info()
+    margin = max(256 << 20, int(total * 0.05))
+    handle = forget.cap(net, "free")
+    assert abs(handle.budget_bytes - (free - margin)) <= 64 << 20  # others may allocate
+    handle.remove()
+    x = torch.randn(512, 256, device="cuda")
+    plain = forget.measure(lambda: net(x).sum().backward()).peak_bytes  # by the ledger
+    net.zero_grad(set_to_none=True)
+    handle = forget.cap(net, "60%")
+    net(x).sum().backward()
+    assert handle.budget_bytes == int(0.6 * plain)
+    handle.remove()

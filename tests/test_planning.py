@@ -524,6 +524,17 @@ def test_bad_budgets(budget, error):
         P.parse_budget(budget, 1000)
 
 
+@pytest.mark.parametrize(
+    ("budget", "share"),
+    [(0.5, 0.5), ("25%", 0.25), ("0.6", 0.6), (1000, None), ("1000", None), ("2GB", None)],
+)
+def test_a_share_is_told_from_bytes_before_any_reference(budget, share):
+    # NOTE [one budget]: what `forget.cap` asks before it has predicted a plain peak.
+    assert P.budget_share(budget) == share
+    if share is not None:
+        assert P.parse_budget(budget, 1000) == int(share * 1000)
+
+
 def test_fraction_needs_a_reference():
     with pytest.raises(ValueError, match="plain run's peak"):
         P.parse_budget(0.5)

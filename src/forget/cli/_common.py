@@ -24,27 +24,28 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .. import checkpoint, policies
-from .. import schedules as P
+from ..memory import budget_bytes as read_budget
 from ..policies import Policy
 from ..schedules import MIB
 from ._models import MODEL_NAMES, BlockModel, BlockWrapper, build_model, model_settings
 
-#: The budget of one plan, as every command reads it: `forget.schedules.parse_budget`'s
-#: grammar (bytes, ``"512MiB"``, ``"50%"``), or ``min``, the least feasible budget.
+#: The budget of one plan, as every command reads it: what `forget.plan` takes
+#: (NOTE [one budget] in `forget.memory`: bytes, ``"512MiB"``, ``"50%"``; the
+#: commands run on the CPU, so no ``"free"``), or ``min``, the least feasible budget.
 BUDGET_HELP = "bytes, a size (512MiB), a share of the plain peak (50%%) or 'min'"
 
 
 def check_budget(label: str) -> None:
     """Raise ``ValueError`` before any work if ``label`` is no budget (`resolve_budget`)."""
     if label != "min":
-        P.parse_budget(label, 1 << 40)
+        read_budget(label, 1 << 40, None)
 
 
 def resolve_budget(label: str, plain_peak_bytes: int, min_feasible_bytes: int) -> int:
     """The budget ``label`` in bytes (``min``: ``min_feasible_bytes``)."""
     if label == "min":
         return min_feasible_bytes
-    return P.parse_budget(label, plain_peak_bytes)
+    return read_budget(label, plain_peak_bytes, None)
 
 
 def percent_hint(label: str) -> str:

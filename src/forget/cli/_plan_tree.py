@@ -46,7 +46,7 @@ from ..errors import BudgetInfeasibleError
 from ..memory import frozen_heap
 from ..planning import TreePlan, TreePlanner, time_calls, untouched, zero_grads
 from ..policies import Policy
-from ..schedules import MIB, parse_budget
+from ..schedules import MIB, budget_share, parse_budget
 from ._common import (
     Progress,
     UserStep,
@@ -202,9 +202,9 @@ def profile_budget(labels: Sequence[str]) -> int | str | None:
     for label in labels:
         if label == "min":
             continue
-        try:
+        if budget_share(label) is None:
             sizes.append(parse_budget(label))
-        except ValueError:  # a share: no plain peak to take it of yet
+        else:  # a share: no plain peak to take it of yet
             shares.append(label)
     if sizes and not shares:
         return max(sizes)

@@ -5,12 +5,18 @@
 - `_measure`: `measure` by the ledger, the profiler's allocator events or
   CUDA's allocator (NOTE [the two probes]); `allocator_peak`, the peak alone,
   and `AllocatorRecord`, the same record left open; `frozen_heap`.
+- `_budget`: `budget_bytes`, the one budget reader (NOTE [one budget]).
+- `_fake`: `faked`, a model and its inputs on fake tensors, and
+  `fake_step_peak`, a step's ledger peak there.
 - `_saved`: `saved`, what a call keeps for backward.
 - `_reports`: the frozen reports they return.
 
 Other packages import the names below, never the underscore modules.
 """
 
+from ._budget import budget_bytes as budget_bytes
+from ._fake import fake_step_peak as fake_step_peak
+from ._fake import faked as faked
 from ._ledger import Ledger as Ledger
 from ._ledger import StorageRecord as StorageRecord
 from ._ledger import region as region
@@ -39,6 +45,9 @@ __all__ = [
     "SavedTensor",
     "StorageRecord",
     "allocator_peak",
+    "budget_bytes",
+    "fake_step_peak",
+    "faked",
     "frozen_heap",
     "measure",
     "region",

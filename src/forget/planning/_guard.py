@@ -24,20 +24,9 @@ from typing import Any
 
 import torch
 
-from .. import schedules as P
 from ..memory import Ledger, allocator_peak, measure, watch
 
-__all__ = ["Overrun", "Peak", "budget_bytes", "guard", "guarded_peak", "peak_bytes"]
-
-# NOTE [free budget]: ``budget="free"`` is what the CUDA device has free now
-# (``torch.cuda.mem_get_info``: other processes and this one's CUDA context
-# already taken off), less a margin for what this process will take outside the
-# bytes a step allocates: the caching allocator rounds blocks up (to 512 B, large
-# ones to 2 MiB) and splits them, and libraries allocate outside it on first use
-# (cuBLAS and cuDNN handles and workspaces: tens to hundreds of MiB). The margin
-# is 5 % of the device's memory, at least 256 MiB: 4 GiB on an 80 GB H100.
-_FREE_MARGIN_SHARE = 0.05
-_FREE_MARGIN_MIN_BYTES = 256 << 20
+__all__ = ["Overrun", "Peak", "guard", "guarded_peak", "peak_bytes"]
 
 
 class Overrun(Exception):
@@ -102,35 +91,6 @@ def _cuda_guard(limit_bytes: int) -> Iterator[None]:
         raise Overrun(limit_bytes, limit_bytes + 1) from None
     finally:
         torch.cuda.set_per_process_memory_fraction(before, device)
-
-
-def budget_bytes(budget: int | float | str | None, plain_peak_bytes: int, probe: str) -> int:
-    """A budget in bytes: as `forget.schedules.parse_budget`, ``"free"`` (NOTE [free budget]).
-
-    A share is of ``plain_peak_bytes`` (the predicted plain peak). ``None`` is
-    ``"free"`` on CUDA (``probe="cuda"``) and an error elsewhere.
-
-    Raises:
-        ValueError: ``"free"`` or no budget off CUDA; no memory free past the margin.
-    """
-    if budget is None or budget == "free":
-        if probe != "cuda":
-            what = "no budget" if budget is None else "budget='free'"
-            raise ValueError(
-                f"forget: {what} means what the CUDA device has free, and this step runs on "
-                "CPU; give budget= as bytes (an int), a size ('512MiB') or a share of the "
-                "predicted plain peak ('60%')"
-            )
-        free, total = torch.cuda.mem_get_info()
-        margin = max(_FREE_MARGIN_MIN_BYTES, int(total * _FREE_MARGIN_SHARE))
-        if free <= margin:
-            raise ValueError(
-                f"forget: budget='free' is what the device has free, {free:,} B, less a "
-                f"margin of {margin:,} B (NOTE [free budget]), and nothing is left; free "
-                "memory (del tensors, torch.cuda.empty_cache()) or give a budget in bytes"
-            )
-        return free - margin
-    return P.parse_budget(budget, plain_peak_bytes)
 
 
 @contextlib.contextmanager

@@ -16,9 +16,8 @@ never the underscore modules.
 """
 
 from ._cap import Cap as Cap
-from ._cap import budget_to_bytes as budget_to_bytes
 from ._cap import cap as cap
 from ._orders import EVICTIONS as EVICTIONS
 from ._report import StepReport as StepReport
 
-__all__ = ["EVICTIONS", "Cap", "StepReport", "budget_to_bytes", "cap"]
+__all__ = ["EVICTIONS", "Cap", "StepReport", "cap"]

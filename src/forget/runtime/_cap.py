@@ -56,12 +56,12 @@ from ..errors import ForgetError
 from ..memory import AllocatorReading
 from ..policies import Policy
 from ..regions import find_candidates, owner_of, unwrap_forward, wrap_forward
-from ..schedules import parse_budget
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
 from ._reads import READ_ALLOCATOR, Reads
 from ._regions import Partial, leaf_names, partial_policy, with_finer
 from ._report import StepReport
+from ._share import CapBudget
 from ._steps import Step
 
 __all__ = ["Cap", "cap"]
@@ -92,10 +92,11 @@ def cap(
 
     Args:
         model: the module whose forward a training step calls.
-        budget: bytes (``int``), a size (``"512MiB"``, ``"2GB"``); on CUDA also
-            ``"free"`` (what the device has free now) or a share of it
-            (``"60%"``, ``0.6``). A share needs a reference, and on CPU there
-            is none: give bytes there.
+        budget: what `forget.plan` takes (NOTE [one budget] in `forget.memory`):
+            bytes (``int``), a size (``"512MiB"``, ``"2GB"``), a share of the
+            plain step's peak (``"60%"``, ``0.6``), predicted for each shape the
+            cap meets (NOTE [a share of the cap]), or on CUDA ``"free"`` (what
+            the device has free now, less a margin).
         candidates: which submodules may be regions, as `forget.plan` takes
             them (a name pattern, a module type, or a list of them); default
             the repeated blocks and the modules around them (NOTE [tree
@@ -107,10 +108,12 @@ def cap(
 
     Raises:
         TypeError: ``model`` is no ``nn.Module``; a budget of another type.
-        ValueError: a budget that is no size; a share on CPU; a model with no
+        ValueError: a budget that is no size; ``"free"`` off CUDA; a model with no
             candidate region.
         ForgetError: the model runs under a cap or a plan already. During a step:
-            a cap that cannot hold, naming the least the step needs.
+            a cap that cannot hold, naming the least the step needs; a share
+            whose plain peak cannot be predicted (a step that does not run on
+            fake tensors).
 
     Example:
         >>> import torch, forget
@@ -163,7 +166,7 @@ def _cap_with(
             f"forget: cap takes an nn.Module, got {type(model).__name__}; pass the model "
             "whose forward the training step calls."
         )
-    budget_bytes = budget_to_bytes(budget, _device_of(model))
+    CapBudget(budget, _device_of(model))  # a budget that is none raises before any wrapping
     if eviction not in EVICTIONS:
         raise ValueError(
             f"forget: no eviction order named {eviction!r}; expected one of "
@@ -190,22 +193,7 @@ def _cap_with(
             "that may be regions with candidates= (a name pattern such as '*.layers.*', a "
             "module type, or a list of them)."
         )
-    return Cap(model, names, budget_bytes, eviction, repeat_known_shapes, read_allocator, policy)
-
-
-def budget_to_bytes(budget: int | float | str, device: torch.device) -> int:
-    """A cap's budget in bytes: `forget.plan`'s sizes, or on CUDA a share of what is free."""
-    share = isinstance(budget, float) or (isinstance(budget, str) and budget.strip().endswith("%"))
-    if budget == "free" or share:
-        if device.type != "cuda":
-            raise ValueError(
-                f"forget: the cap {budget!r} is a share of the device's free memory, and "
-                f"the model is on {device.type}, where forget knows no such figure; give "
-                "bytes, e.g. forget.cap(model, '2GiB')."
-            )
-        free_bytes = torch.cuda.mem_get_info(device)[0]
-        return free_bytes if budget == "free" else parse_budget(budget, free_bytes)
-    return parse_budget(budget)
+    return Cap(model, names, budget, eviction, repeat_known_shapes, read_allocator, policy)
 
 
 class Cap:
@@ -224,7 +212,7 @@ class Cap:
         self,
         model: nn.Module,
         names: list[str],
-        budget_bytes: int,
+        budget: int | float | str,
         eviction: str = "largest",
         repeat_known_shapes: bool = True,
         read_allocator: str = "largest",
@@ -237,7 +225,8 @@ class Cap:
         self._keeping = None if partial is None else Partial(partial, kinds)
         self.eviction = eviction
         self.repeat_known_shapes = repeat_known_shapes
-        self._budget_bytes = budget_bytes
+        self._budget = CapBudget(budget, _device_of(model))  # NOTE [a share of the cap]
+        self._budget_bytes = self._budget.bytes
         self._step: Step | None = None
         self._history: list[StepReport] = []
         # NOTE [steps of known shapes]: the decision for each key, and the keys run capped.
@@ -258,12 +247,18 @@ class Cap:
 
     @property
     def budget_bytes(self) -> int:
-        """The cap, in bytes."""
+        """The cap, in bytes; a share's, of the latest step's shapes (0 before the first)."""
         return self._budget_bytes
+
+    @property
+    def budget(self) -> int | float | str:
+        """The budget as given to `cap` or `set_budget` (NOTE [one budget] in `forget.memory`)."""
+        return self._budget.given
 
     def set_budget(self, budget: int | float | str) -> None:
         """Change the cap from the next step on (what `cap` takes as ``budget``)."""
-        self._budget_bytes = budget_to_bytes(budget, _device_of(self.model))
+        self._budget.set(budget)
+        self._budget_bytes = self._budget.bytes
 
     @property
     def last_step(self) -> StepReport | None:
@@ -411,13 +406,18 @@ class Cap:
         self, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         step, repeat = self._step, self._repeat
+        if self._budget.predicting:  # NOTE [a share of the cap]: the fake plain step
+            return original(*args, **kwargs)
         if (step and not step.closed) or (repeat and not repeat.closed) or in_recomputing():
             return original(*args, **kwargs)  # the model called inside its own step
         if not torch.is_grad_enabled():
             self._reads.stop()  # NOTE [what the count misses]: the step before is over
             return original(*args, **kwargs)
         self._close_previous()  # what it teaches counts for this step
-        key = self._key(args, kwargs) if self.repeat_known_shapes else None
+        shapes = self._key(args, kwargs)
+        if self._budget.share is not None:  # NOTE [a share of the cap]
+            self._budget_bytes = self._budget.for_step(self.model, args, kwargs, shapes)
+        key = shapes if self.repeat_known_shapes else None
         known = self._known.get(key) if key is not None else None
         if key is not None and known is not None and known.holds(self._budget_bytes):
             return self._run_repeated(original, args, kwargs, key, known)
@@ -452,7 +452,7 @@ class Cap:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self._budget.predicting:
             return original(*args, **kwargs)
         repeat = self._repeat
         if repeat is not None and not repeat.closed:  # NOTE [steps of known shapes]
@@ -466,6 +466,7 @@ class Cap:
             return run_region(original, args, kwargs)
         step = self._step
         if step is None or step.closed:  # a region run without the model's forward
+            self._budget.check_predicted(f"region {name!r} ran without the model's forward")
             step = self._begin(args, kwargs)
         region = DroppableRegion(original, args, kwargs, policy=step.policy_for(name))
         entry = step.enter(name, region.forward_inputs())

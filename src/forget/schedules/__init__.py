@@ -20,6 +20,7 @@ from ._baselines import on_sub_stages as on_sub_stages
 from ._baselines import sqrt_segments as sqrt_segments
 from ._baselines import store_all_items as store_all_items
 from ._baselines import uniform_items as uniform_items
+from ._budget import budget_share as budget_share
 from ._budget import parse_budget as parse_budget
 from ._chain import Chain as Chain
 from ._chain import Stage as Stage
@@ -69,6 +70,7 @@ __all__ = [
     "TreeNode",
     "TreeOption",
     "TreeSchedule",
+    "budget_share",
     "evaluate",
     "forget_each_items",
     "format_bytes",

@@ -6,7 +6,7 @@ import math
 import numbers
 import re
 
-__all__ = ["parse_budget"]
+__all__ = ["budget_share", "parse_budget"]
 
 _UNITS = {
     "": 1,
@@ -50,24 +50,12 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
         >>> parse_budget("0.6", 1000), parse_budget("60%", 1000), parse_budget("60", 1000)
         (600, 600, 60)
     """
-    if isinstance(budget, bool):
-        raise TypeError("forget: a budget is bytes (int), a size string or a fraction, not a bool")
+    share = budget_share(budget)
+    if share is not None:
+        return _fraction(share, budget, reference_bytes)
     if isinstance(budget, numbers.Integral):
         return _positive(int(budget), budget)
-    if isinstance(budget, numbers.Real):
-        return _fraction(float(budget), budget, reference_bytes)
-    if not isinstance(budget, str):
-        raise TypeError(
-            "forget: a budget is bytes (int), a size string such as '512MiB' or a fraction "
-            f"of the plain peak such as 0.5, got {type(budget).__name__}"
-        )
-    percent = _PERCENT.match(budget)
-    if percent is not None:
-        return _fraction(float(percent.group(1)) / 100, budget, reference_bytes)
-    size = _SIZE.match(budget)
-    if size is not None and not size.group(2) and "." in size.group(1):
-        # "0.6" from a command line means what 0.6 means to the Python API: a share.
-        return _fraction(float(size.group(1)), budget, reference_bytes)
+    size = _SIZE.match(str(budget))  # a str: budget_share refused every other type
     if size is None or size.group(2).lower() not in _UNITS:
         raise ValueError(
             f"forget: cannot read the budget {budget!r}; write bytes with a unit "
@@ -76,6 +64,33 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
         )
     value = float(size.group(1)) * _UNITS[size.group(2).lower()]
     return _positive(math.floor(value), budget)
+
+
+def budget_share(budget: object) -> float | None:
+    """The share of the plain peak ``budget`` names (``0.5``, ``"50%"``, ``"0.5"``); None: bytes.
+
+    Raises:
+        TypeError: a budget of another type (``bool`` included).
+    """
+    if isinstance(budget, bool):
+        raise TypeError("forget: a budget is bytes (int), a size string or a fraction, not a bool")
+    if isinstance(budget, numbers.Integral):
+        return None
+    if isinstance(budget, numbers.Real):
+        return float(budget)
+    if not isinstance(budget, str):
+        raise TypeError(
+            "forget: a budget is bytes (int), a size string such as '512MiB' or a fraction "
+            f"of the plain peak such as 0.5, got {type(budget).__name__}"
+        )
+    percent = _PERCENT.match(budget)
+    if percent is not None:
+        return float(percent.group(1)) / 100
+    size = _SIZE.match(budget)
+    if size is not None and not size.group(2) and "." in size.group(1):
+        # "0.6" from a command line means what 0.6 means to the Python API: a share.
+        return float(size.group(1))
+    return None
 
 
 def _positive(value: int, given: object) -> int:

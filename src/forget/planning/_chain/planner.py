@@ -27,7 +27,10 @@ head, the loss) is learned, once, from the least-memory schedule's step, run
 under the budget (a share of the chain model's own plain peak, where the
 budget is a share: no more than the budget the share turns out to be). The
 plain peak is then predicted: the chain model's, plus that. A budget at or
-above it measures the plain step, guarded; a stopped schedule is a miss.
+above it measures the plain step, guarded; a stopped schedule is a miss. A
+budget no schedule fits is the exception (NOTE [an infeasible budget named]):
+its error measures the least-memory schedule and the baselines under the
+predicted plain peak, and names the least, where planning works.
 
 NOTE [the last segment]: a top-level region that ends the chain is re-run as
 soon as backward starts, so forgetting it buys no memory at the peak and costs
@@ -61,6 +64,7 @@ from torch import Tensor, nn
 
 from ... import schedules as P
 from ...errors import BudgetInfeasibleError
+from ...memory import budget_bytes as read_budget
 from ...memory import frozen_heap
 from ...policies import Policy
 from ...regions import CandidateSpec, head_hint
@@ -194,11 +198,11 @@ def plan(
         *sample_inputs: the first block's input (reference model: ``x, target``);
             for a module tree, the model's positional inputs.
         budget: bytes (``int``), a string (``"512MiB"``, ``"2GB"``, ``"50%"``),
-            or a fraction in ``(0, 1]`` of the plain step's peak: for a module
-            tree the predicted one (its plain step never runs: NOTE [planning
-            within the budget]), for a chain the measured one. For a module
-            tree on CUDA, ``"free"``: what the device has free now, less a
-            margin (NOTE [free budget]); the default there.
+            or a fraction in ``(0, 1]`` of the plain step's predicted peak (the
+            plain step never runs: NOTE [planning within the budget]). On CUDA,
+            ``"free"``: what the device has free now, less a margin (NOTE
+            [free budget]); for a module tree the default there (NOTE [one
+            budget] in `forget.memory`).
         loss_fn: output -> scalar loss for the step (default: ``output.sum()``;
             for a module tree ``output.loss`` when the output has one).
         algorithm: the planner (``"optimal"``, ``"uniform"``, ``"sqrt"``, ...);
@@ -230,8 +234,9 @@ def plan(
         runs it.
 
     Raises:
-        BudgetInfeasibleError: the budget is below the smallest feasible one,
-            which the error names (``min_feasible_bytes``).
+        BudgetInfeasibleError: no plan fits the budget; the error names one at
+            which planning works (``min_feasible_bytes``, NOTE [an infeasible
+            budget named]).
         TypeError: arguments for the other kind of model; a module tree's
             output with no loss and no ``loss_fn``.
 
@@ -486,14 +491,47 @@ class Planner:
         if self.least_schedule.items in self.trials.peaks:
             self.outside = peak - self.least_schedule.predicted_peak_bytes
 
+    def _infeasible(
+        self, budget_bytes: int, schedules: Sequence[P.Schedule]
+    ) -> BudgetInfeasibleError:
+        """The error for a budget no schedule fits, naming one at which planning works.
+
+        NOTE [an infeasible budget named] in `._tree.planner`: ``schedules`` (the
+        least-memory one and the baselines, which planning at any budget measures
+        first) are measured under the predicted plain peak, not under the budget.
+        """
+        limit = self.trials.limit_bytes
+        self.trials.limit_bytes = max(budget_bytes, self.plain_peak)
+        try:
+            if self.outside is None:
+                self._learn_outside(self.trials.limit_bytes)
+            peaks = {self.trials.peak(schedule) for schedule in schedules}
+        finally:
+            self.trials.limit_bytes = limit
+        least = min(peaks)
+        measured = any(peak == least for peak in self.trials.peaks.values())
+        if not measured:  # every step stopped: the least is the model's, at least the bound
+            least = max(least, schedules[0].predicted_peak_bytes + (self.outside or 0))
+        how = "measured" if measured else "an estimate: no step tried fits the plain peak"
+        return BudgetInfeasibleError(
+            f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
+            f"{least:,} B (the least peak of any schedule tried, {how}; the plain step is "
+            f"predicted to peak at {self.plain_peak:,} B); plan with a budget of {least:,} B "
+            "or more",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=max(least, budget_bytes + 1),
+        )
+
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
     def plan(self, budget: int | float | str, *, algorithm: str = "optimal") -> Plan:
         chain, trials = self.chain, self.trials
+        inputs = [t for t in self.target.inputs if isinstance(t, Tensor)]
+        cuda = next((t.device for t in inputs if t.device.type == "cuda"), None)
         if self.outside is None:
             # A share is of the predicted plain peak, which needs what lies outside the
             # chain model: learned under the share of the chain model's own (no more).
-            self._learn_outside(P.parse_budget(budget, self.store_all.predicted_peak_bytes))
-        budget_bytes = P.parse_budget(budget, self.plain_peak)
+            self._learn_outside(read_budget(budget, self.store_all.predicted_peak_bytes, cuda))
+        budget_bytes = read_budget(budget, self.plain_peak, cuda)
         trials.limit_bytes = budget_bytes
         outside = self.outside or 0
         chain_min = P.min_feasible_bytes(chain, algorithm)
@@ -508,17 +546,7 @@ class Planner:
         plain = trials.peaks.get(self.store_all.items)
         min_feasible = min(peaks) if plain is None else min(plain, *peaks)
         if budget_bytes < min_feasible:
-            measured = any(peak == min_feasible for peak in trials.peaks.values())
-            if not measured:  # every step stopped: the least is the model's, at least the bound
-                min_feasible = max(min_feasible, least.predicted_peak_bytes + outside)
-            how = "measured" if measured else "an estimate: no step tried fits the budget"
-            raise BudgetInfeasibleError(
-                f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
-                f"{min_feasible:,} B (the least peak of any schedule tried, {how}; the "
-                f"plain step is predicted to peak at {self.plain_peak:,} B)",
-                budget_bytes=budget_bytes,
-                min_feasible_bytes=min_feasible,
-            )
+            raise self._infeasible(budget_bytes, [least, *self.baselines])
         plain_fits = budget_bytes >= self.plain_peak and trials.peak(self.store_all) <= budget_bytes
         if plain_fits:
             fitting = [(self.store_all, trials.peak(self.store_all))]

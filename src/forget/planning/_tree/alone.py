@@ -1,8 +1,9 @@
 """Tree candidates on real inputs: timed in whole forwards, the innermost run alone.
 
 `forget.planning._tree.profile` takes a step's bytes from a run on fake tensors
-(NOTE [tree figures]); what needs real tensors is taken here (`alone_figures`):
-every candidate's forward time, from whole forwards without grad
+(NOTE [tree figures]); what needs real tensors is taken here (`RealRuns`: a
+forward without grad, checked against the fake run's calls, then
+`alone_figures`): every candidate's forward time, from whole forwards without grad
 (`forward_times`), and, one innermost kind of module at a time, its inputs,
 captured by a forward without grad stopped at it (`_capture`; several
 modules' by one forward, NOTE [captures together]), the workspace its step
@@ -30,7 +31,7 @@ from .._clock import Clock
 from .._guard import Overrun, guard, peak_bytes
 from .._timing import _region_overhead_s, _step_of, time_calls
 from .apply import run_option
-from .step import TreeStep
+from .step import Call, TreeStep, check_same_calls, traced
 
 # A candidate's inputs as the step passes them: per tensor leaf (in pytree order)
 # its shape, dtype and whether it requires grad.
@@ -163,6 +164,70 @@ def _captured(
             args, kwargs, held = captured.pop(rep)
             yield rep, args, kwargs, held + sum(h for _, _, h in captured.values())
             del args, kwargs
+
+
+class RealRuns:
+    """The profile's runs on real tensors: a forward without grad, then each module alone."""
+
+    def __init__(
+        self,
+        step: TreeStep,
+        names: list[str],
+        rep_of: Mapping[str, str],
+        layouts: Mapping[str, Layout],
+        parent: Mapping[str, str],
+        policies: Mapping[str, Policy],
+        repeats: int,
+        probe: str,
+        clock: Clock,
+    ) -> None:
+        self.step, self.names, self.rep_of, self.layouts = step, names, rep_of, layouts
+        self.parent, self.policies, self.repeats, self.probe = parent, policies, repeats, probe
+        self.clock = clock
+        self.calls: list[Call] = []
+        self.forward_peak_bytes = 0
+        self.times: dict[str, float] = {}
+        self.workspace: dict[str, int] = {}
+        self.figures: dict[str, dict[str, tuple[int, int, float]]] = {}
+
+    def run(self, limit: int | None, ledger_peak: int, first: list[Call]) -> int | None:
+        """Run them within ``limit``; the bytes past it where a forward passed it, else None."""
+        step, model = self.step, self.step.model
+        overrun: int | None = None
+        try:
+            with guard(limit, self.probe) as ledger, traced(model) as real, torch.no_grad():
+                step.model(*step.args, **step.kwargs)
+            self.calls = real
+            self.forward_peak_bytes = 0 if ledger is None else ledger.peak
+            # Fake tensors may take other paths of the same modules (a model that skips
+            # an all-ones mask when it can read it builds one when it cannot): names only.
+            check_same_calls(model, _names(first), _names(real), "run on real tensors")
+            # A module's step alone runs under the plain step's ledger peak, not the
+            # budget: the profile, and so the plan, is then the same at every budget
+            # (NOTE [heavy modules] in `.alone`).
+            alone_limit = None if limit is None else max(limit, ledger_peak)
+            self.times, self.workspace, self.figures = alone_figures(
+                step,
+                self.names,
+                self.rep_of,
+                self.layouts,
+                self.parent,
+                self.policies,
+                self.repeats,
+                limit,
+                alone_limit,
+                self.probe,
+                self.clock,
+            )
+        except Overrun as exc:
+            # Returned outside this block: an exception raised here would keep the
+            # stopped forward's frames (its tensors, its regions) as its context.
+            overrun = exc.live_bytes
+        return overrun
+
+
+def _names(calls: list[Call]) -> list[Call]:
+    return [(name, ()) for name, _ in calls]
 
 
 def alone_figures(

@@ -29,8 +29,9 @@ every innermost candidate (every layer); the measured peak does not always
 follow the frontier (the model does not see that forgetting the last layer
 lowers the loss's backward). Both re-run the most of any assignment and are
 costly to measure (benchmarks/measured.md, "Fewer steps in planning"), so they
-are measured only where the least is wanted: where the search found no fit (the
-error names the least) or when asked (`TreePlanner.least`, ``--budgets min``);
+are measured only where the least is wanted: where the search found no fit
+(under the budget, then for the error under the predicted plain peak: NOTE [an
+infeasible budget named]) or when asked (`TreePlanner.least`, ``--budgets min``);
 then the search runs once more just below it, up to `_MAX_BELOW` times while it
 finds a lower fit. A plan made without them says so (``least_searched``): its
 ``min_feasible_bytes`` is then a budget known to fit, not the least. `least`
@@ -46,11 +47,25 @@ alone, on real inputs captured by a forward without grad that stops there (NOTE
 is of the predicted plain peak. Every untimed step on real tensors runs under
 the guard (NOTE [guarded steps]) with the budget as its limit: a step predicted
 to fit that does not is stopped, a measured miss, passing the budget by at most
-the one allocation that stopped it. Only steps measured to fit are timed. Where
-every step is stopped, the error names the cost model's least peak, or the
-least bound a stopped step passed where higher. The budget is judged by the
-allocator's count, never by the process's resident memory, which the C
-library's malloc keeps as it sees fit.
+the one allocation that stopped it. Only steps measured to fit are timed. The
+one exception is a budget no plan fits (NOTE [an infeasible budget named]). The
+budget is judged by the allocator's count, never by the process's resident
+memory, which the C library's malloc keeps as it sees fit.
+
+NOTE [an infeasible budget named]: an error that names a lower bound (where the
+guard stopped) sends the user round a loop, each budget naming a larger one.
+So a budget no plan fits names one at which planning works: the two least
+points of NOTE [least on demand] are measured under the predicted plain peak
+instead of the budget (`TreePlanner.infeasible`), and the error names the least
+peak measured, or the forward without grad's ledger peak where that is higher
+(planning at a budget runs that forward within it). Planning at the named
+budget measures both points first where its search finds no fit, and the peaks
+repeat exactly, so it works the first time. This holds more than the budget,
+and only because the user asked for a plan that cannot exist: no plan fits, so
+no plan's step was spared. The profile does the same where its forward without
+grad passed the budget: it goes on under the fake run's ledger peak, and the
+planner names the budget without searching. Naming the predicted least with a
+margin would hold no less: it must be confirmed by the same steps.
 
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path]), and with a policy the two need not
@@ -83,12 +98,12 @@ from torch import nn
 
 from ... import schedules as P
 from ...errors import BudgetInfeasibleError
+from ...memory import budget_bytes as read_budget
 from ...memory import frozen_heap
 from ...policies import Policy
 from ...regions import DEFAULT_OPTIONS, ROOT, CandidateSpec, structure
 from .._clock import WALL_CLOCK, Clock
 from .._guard import Peak, guarded_peak
-from .._guard import budget_bytes as resolve_budget
 from .._targets import _check_options, untouched, zero_grads
 from .._timing import fastest_of, time_calls
 from .apply import applied
@@ -212,7 +227,7 @@ class TreePlanner:
         self.ceiling_bytes = (
             self.plain_peak
             if budget is None
-            else resolve_budget(budget, self.plain_peak, self.profile.probe)
+            else read_budget(budget, self.plain_peak, self.profile.cuda)
         )
         self._scan: list[dict[str, str]] | None = None  # NOTE [least on demand]
 
@@ -344,6 +359,38 @@ class TreePlanner:
         """Whether `least` has measured the least feasible budget (NOTE [least on demand])."""
         return all(_key(choices) in self.measured for choices in self._least_points())
 
+    def infeasible(self, budget_bytes: int) -> BudgetInfeasibleError:
+        """The error for a budget no plan fits, naming one at which planning works (NOTE [an
+        infeasible budget named]); every infeasible budget's message is made here."""
+        limit = self.limit_bytes
+        # The budget is infeasible anyway: the least points are measured under the
+        # predicted plain peak, not under the budget, which stopped them.
+        self.limit_bytes = max(budget_bytes, self.plain_peak)
+        try:
+            for choices in self._least_points():
+                self.peak(choices)
+        finally:
+            self.limit_bytes = limit
+        least = self._least_measured()
+        if not any(peak == least for _, peak in self.measured.values()):
+            how = "an estimate: no step tried fits even the predicted plain peak"
+        elif least < self.profile.forward_peak_bytes:
+            # Planning at it runs the forward without grad within it (NOTE [an
+            # infeasible budget named]).
+            how = "measured, raised to what the forward without grad holds"
+            least = self.profile.forward_peak_bytes
+        else:
+            how = "measured"
+        return BudgetInfeasibleError(
+            f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
+            f"{least:,} B (the least allocator peak of any plan, {how}; the plain step is "
+            f"predicted to peak at {self.plain_peak:,} B); plan with a budget of "
+            f"{least:,} B or more, or offer more candidates (candidates=) or options "
+            "(options=)",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=max(least, budget_bytes + 1),
+        )
+
     def _least_measured(self) -> int:
         """The least allocator peak measured so far, or (none measured) `least`'s estimate."""
         if self.measured:
@@ -448,14 +495,16 @@ class TreePlanner:
             budget: bytes, a size string (``"512MiB"``) or a share of the plain
                 step's predicted allocator peak (``"60%"``, ``0.6``; the plain
                 step never runs: NOTE [planning within the budget]); on CUDA
-                ``"free"``, the default there (NOTE [free budget] in `._guard`).
+                ``"free"``, the default there (NOTE [free budget] in `forget.memory`).
 
         Raises:
-            BudgetInfeasibleError: below the least peak measured of any
-                assignment tried, or predicted where none fits
-                (``min_feasible_bytes``).
+            BudgetInfeasibleError: no assignment fits; ``min_feasible_bytes`` is
+                a budget at which planning works (NOTE [an infeasible budget
+                named]), or predicted where none fits the plain peak.
         """
-        budget_bytes = resolve_budget(budget, self.plain_peak, self.profile.probe)
+        budget_bytes = read_budget(budget, self.plain_peak, self.profile.cuda)
+        if budget_bytes < self.profile.infeasible_below_bytes:
+            raise self.infeasible(budget_bytes)  # the forward without grad passed it
         self.limit_bytes = budget_bytes
         plain_fits = budget_bytes >= self.plain_peak and self.peak({}) <= budget_bytes
         if not plain_fits:
@@ -463,25 +512,12 @@ class TreePlanner:
             drop_regions(self, budget_bytes)
             if not self.fitting(budget_bytes):
                 self._least()  # NOTE [least on demand], under this budget
-        min_feasible = self._least_measured()
         # NOTE [monotone in the budget]: every assignment measured so far; where the
         # plain step fits, it alone (nothing re-runs).
         fitting = [({}, self.peak({}))] if plain_fits else self.fitting(budget_bytes)
         if not fitting:
-            if not any(peak == min_feasible for _, peak in self.measured.values()):
-                how = "an estimate: no step tried fits the budget"
-            elif self.least_searched():
-                how = "measured"
-            else:  # NOTE [planning within the budget]: a step that might need less stopped
-                how = "measured; steps that may need less passed this budget and were stopped"
-            raise BudgetInfeasibleError(
-                f"forget: the budget {budget_bytes:,} B is below the smallest feasible one, "
-                f"{min_feasible:,} B (the least allocator peak of any plan, {how}; "
-                f"the plain step is predicted to peak at {self.plain_peak:,} B); raise the "
-                "budget, or offer more candidates (candidates=) or options (options=)",
-                budget_bytes=budget_bytes,
-                min_feasible_bytes=max(min_feasible, budget_bytes + 1),
-            )
+            raise self.infeasible(budget_bytes)
+        min_feasible = self._least_measured()
         best, best_peak = self._without_idle(*self._fastest(fitting), budget_bytes)
         figures = P.tree_figures(self.tree, best)
         order = {name: i for i, name in enumerate(self._names())}

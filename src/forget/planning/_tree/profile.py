@@ -65,7 +65,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
@@ -73,13 +72,14 @@ from ... import schedules as P
 from ...engine import storage_of
 from ...errors import BudgetInfeasibleError, ForgetError
 from ...memory import Ledger, StorageRecord, watch
+from ...memory import budget_bytes as read_budget
+from ...memory import faked as fake_inputs
 from ...policies import Policy
 from ...regions import ROOT, CandidateSpec, ancestors, find_candidates, parents
 from .._clock import WALL_CLOCK, Clock
-from .._guard import Overrun, budget_bytes, guard
 from .._targets import untouched, zero_grads
 from .alone import Layout as _Layout
-from .alone import alone_figures
+from .alone import RealRuns
 from .apply import is_wrapped
 from .step import Call, TreeStep, check_same_calls, step_loss, traced
 
@@ -98,12 +98,26 @@ class TreeProfile:
     plain_ledger_peak_bytes: int  # the fake run's
     probe: str
     calls: tuple[Call, ...]  # the step's module calls (NOTE [one structure per step])
+    # The ledger's peak of the forward without grad on real tensors (CPU; 0 on CUDA):
+    # no budget below it lets planning run (NOTE [an infeasible budget named]).
+    forward_peak_bytes: int = 0
+    # Every budget below this is infeasible: the forward without grad passed it (0: none).
+    infeasible_below_bytes: int = 0
+
+    @property
+    def cuda(self) -> torch.device | None:
+        """The CUDA device a ``"free"`` budget reads (NOTE [free budget]); None off CUDA."""
+        return _cuda(self.probe)
 
 
 def allocator_probe(step: TreeStep) -> str:
     """The probe whose peak counts: CUDA's allocator on CUDA, the CPU allocator's events else."""
     tensors = [*step.model.parameters(), *step.target().inputs]
     return "cuda" if any(t.device.type == "cuda" for t in tensors) else "profiler"
+
+
+def _cuda(probe: str) -> torch.device | None:
+    return torch.device("cuda") if probe == "cuda" else None
 
 
 def profile_tree(
@@ -168,45 +182,26 @@ def profile_tree(
         # run under the guard; a share of the plain peak is taken of the fake run's
         # ledger peak here, no more than of the predicted plain peak it plans with.
         known = budget is not None or probe == "cuda"  # None: "free" on CUDA
-        limit = budget_bytes(budget, max(1, ledger_peak), probe) if known else None
-        overrun: tuple[int, int] | None = None
-        try:
-            with guard(limit, probe), traced(model) as real, torch.no_grad():
-                step.model(*step.args, **step.kwargs)
-            # Fake tensors may take other paths of the same modules (a model that skips
-            # an all-ones mask when it can read it builds one when it cannot): names only.
-            check_same_calls(model, _names(first), _names(real), "run on real tensors")
-            # A module's step alone runs under the plain step's ledger peak, not the
-            # budget: the profile, and so the plan, is then the same at every budget
-            # (NOTE [heavy modules] in `.alone`).
-            alone_limit = None if limit is None else max(limit, ledger_peak)
-            times, workspace, figures = alone_figures(
-                step,
-                names,
-                rep_of,
-                layouts,
-                parent,
-                policies,
-                repeats,
-                limit,
-                alone_limit,
-                probe,
-                clock,
-            )
-        except Overrun as exc:
-            # Raised outside this block: an exception raised here would keep the
-            # stopped forward's frames (its tensors, its regions) as its context.
-            overrun = (exc.limit_bytes, exc.live_bytes)
-        if overrun is not None:
-            limit_bytes, live_bytes = overrun
-            raise BudgetInfeasibleError(
-                f"forget: the budget {limit_bytes:,} B is below the smallest feasible "
-                f"one: {type(model).__name__}'s forward without grad, which keeps no "
-                f"activation, needs more ({live_bytes:,} B and counting); raise the "
-                "budget",
-                budget_bytes=limit_bytes,
-                min_feasible_bytes=live_bytes,
-            )
+        limit = read_budget(budget, max(1, ledger_peak), _cuda(probe)) if known else None
+        real = RealRuns(step, names, rep_of, layouts, parent, policies, repeats, probe, clock)
+        infeasible_below = 0
+        if real.run(limit, ledger_peak, first) is not None:
+            # NOTE [an infeasible budget named] in `.planner`: no plan fits the budget;
+            # the profile goes on under the fake run's ledger peak, for the error to
+            # name a budget at which planning works.
+            infeasible_below = (limit or 0) + 1  # a run passed it: it is no None
+            passed = real.run(max(1, ledger_peak), ledger_peak, first)
+            if passed is not None:
+                raise BudgetInfeasibleError(
+                    f"forget: the budget {infeasible_below - 1:,} B is below the smallest "
+                    "feasible one: "
+                    f"{type(model).__name__}'s forward without grad, which keeps no "
+                    "activation, needs more, more even than the plain step is predicted to "
+                    f"peak at on fake tensors ({passed:,} B and counting); raise the budget",
+                    budget_bytes=infeasible_below - 1,
+                    min_feasible_bytes=passed,
+                )
+        times, workspace, figures = real.times, real.workspace, real.figures
         # NOTE [backward work]: a kernel's workspace counts in its module's work.
         for name in names:
             counted.work[name] = counted.work.get(name, 0) + workspace.get(rep_of[name], 0)
@@ -234,7 +229,15 @@ def profile_tree(
     predicted = P.tree_figures(P.Tree(root), {}).peak_bytes
     plain_peak = max(predicted, ledger_peak)
     tree = P.Tree(root, base_bytes=plain_peak - predicted, floor_bytes=floor)
-    return TreeProfile(tree, plain_peak, ledger_peak, probe, tuple(real))
+    return TreeProfile(
+        tree,
+        plain_peak,
+        ledger_peak,
+        probe,
+        tuple(real.calls),
+        forward_peak_bytes=real.forward_peak_bytes,
+        infeasible_below_bytes=infeasible_below,
+    )
 
 
 def _bytes(
@@ -258,10 +261,6 @@ def _gradient_bytes(parameters: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in parameters if t.grad is not None)
 
 
-def _names(calls: list[Call]) -> list[Call]:
-    return [(name, ()) for name, _ in calls]
-
-
 # ------------------------------------------------------------------ passes
 
 
@@ -280,23 +279,8 @@ class _FakeStep:
 
 @contextlib.contextmanager
 def faked(step: TreeStep) -> Iterator[_FakeStep]:
-    """``step`` on fake tensors, inside torch's `FakeTensorMode` (NOTE [tree figures]).
-
-    Every op runs on its shapes alone and allocates nothing, while the ledger
-    still sees each storage an op makes, with its bytes: the step's figures
-    without its memory. Parameters and buffers are faked too (their storages
-    are then inputs the ledger does not count, as real ones are), so the real
-    model's gradients and buffers are not touched.
-    """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = step.model
-    with mode:
-        state: dict[str, Tensor] = {}
-        for name, p in model.named_parameters():
-            state[name] = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
-        for name, b in model.named_buffers():
-            state[name] = mode.from_tensor(b)
-        args, kwargs = pytree.tree_map_only(Tensor, mode.from_tensor, (step.args, step.kwargs))
+    """``step`` on fake tensors (`forget.memory.faked`, NOTE [tree figures])."""
+    with fake_inputs(step.model, step.args, step.kwargs) as (state, args, kwargs):
         yield _FakeStep(step, state, args, kwargs)
 
 
