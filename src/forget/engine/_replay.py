@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ._in_turn import InTurn
 
@@ -154,6 +155,11 @@ class RNGState:
 
     def unchanged(self) -> bool:
         """Whether every generator is still in this state (nothing drew since)."""
+        if torch._C._len_torch_dispatch_stack():
+            # Under a dispatch mode (fake tensors, when a planner counts a step with
+            # regions of its own) the states are compared as plain tensors, outside it.
+            with _disable_current_modes():
+                return self.unchanged()
         if not torch.equal(torch.get_rng_state(), self.cpu):
             return False
         return all(

@@ -185,7 +185,8 @@ class ChunkedLoss:
         labels = given.get("labels")
         if labels is None:
             return forward(*args, **kwargs)
-        if given.get("return_dict") is False:
+        extra = given.get(_var_keyword(self._signature), {})
+        if given.get("return_dict", extra.get("return_dict")) is False:
             raise ValueError(
                 "forget: chunk_loss returns logits=None, which a tuple output "
                 "(return_dict=False) cannot say without shifting its positions; call the "
@@ -197,7 +198,6 @@ class ChunkedLoss:
                 f"forget: chunk_loss computes the loss over every position, and the call "
                 f"asks for logits_to_keep={keep!r}; leave it out when passing labels."
             )
-        extra = given.get(_var_keyword(self._signature), {})
         loss_kwargs = {k: extra.pop(k) for k in _LOSS_KWARGS if k in extra}
         given["labels"] = None
         given["logits_to_keep"] = 1
@@ -404,9 +404,11 @@ def _var_keyword(signature: inspect.Signature) -> str:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    """Whether ``t`` has no data behind it (a fake or meta tensor: the planner's counting run)."""
+    """Whether ``t`` has no data to compare (a fake or meta tensor, or a fake mode on: the
+    planner's counting run)."""
     if t.device.type == "meta":
         return True
     from torch._subclasses.fake_tensor import is_fake
 
-    return bool(is_fake(t))
+    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    return fake_mode is not None or bool(is_fake(t))
