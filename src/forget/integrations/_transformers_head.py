@@ -1,28 +1,27 @@
 """`chunk_loss`: a causal language model's loss from its last hidden states, chunk by chunk.
 
-NOTE [the head in chunks]: under checkpointing the largest tensors of a
-language model's step are its logits, tokens x vocabulary upcast to float for
-the loss, and their gradient: every layer forgotten, they are the step's floor.
-`chunk_loss` computes the loss as transformers' ``ForCausalLMLoss`` does (the
-shift, ``ignore_index``, ``num_items_in_batch``, the upcast) through
-`forget.chunked` over the tokens, so the logits never exist whole, in forward or
-in backward. It wraps the model's forward on the instance (so that a plan or a cap put on
-the model later sees the chunked head inside the step): a call with
-``labels`` runs the model with ``labels=None`` and ``logits_to_keep=1`` (one
-position's logits, which every causal LM of transformers 5 takes), catches the
-base model's last hidden states with a forward hook, and puts the chunked loss
-in the output with ``logits=None``. What the model does between the base model and its loss is
-its own code, so the first call checks it: the model's logits of the kept
-position must be the chunked head's of the same hidden state (the head, tied or
-not, and Gemma's soft-capping, which the config names), or the call raises
-rather than compute a different loss. A custom ``loss_function`` is refused at
-once: only transformers' own causal loss is known.
+NOTE [the head in chunks]: every layer forgotten, a language model's step still
+holds its logits (tokens x vocabulary, upcast to float) and their gradient.
+`chunk_loss` computes transformers' ``ForCausalLMLoss`` (the shift,
+``ignore_index``, ``num_items_in_batch``, the upcast) through `forget.chunked`
+over the tokens, so the logits never exist whole. It wraps the model's forward
+on the instance, so that a plan or cap put on later sees the head inside the
+step: a call with ``labels`` runs the model with ``labels=None`` and
+``logits_to_keep=1``, catches the base model's last hidden states with a hook,
+and returns the chunked loss with ``logits=None``.
+
+NOTE [the head checked]: what a model does between its base model and its loss
+is its own code, so the first call compares the model's logits of the kept
+position with the chunked head's of the same hidden state (tied or not, with
+the soft-cap the config names), and raises where they differ rather than
+compute another loss. A custom ``loss_function`` is refused at once: only
+transformers' own causal loss is known.
 
 NOTE [default chunks]: a slice's float logits are bounded by the hidden states'
 bytes, so that the head's re-run in backward weighs about as much as one more
 layer's kept input, and a slice keeps at least `MIN_ROWS` tokens, below which
-the head's matmul stops paying for its calls (benchmarks/measured.md, "The
-head in chunks").
+the head's matmul stops paying for its calls (the figures that chose it:
+benchmarks/measured.md, "The head in chunks").
 """
 
 from __future__ import annotations
@@ -276,7 +275,7 @@ class ChunkedLoss:
         logits: Any,
     ) -> None:
         """The model's own logits of its last position are the chunked head's (NOTE [the
-        head in chunks]); a TypeError where not."""
+        head checked]); a TypeError where not."""
         with torch.no_grad():
             ours = _logits(*head, hidden[:, -1:, :])
         if not (
