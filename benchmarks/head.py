@@ -159,6 +159,11 @@ def run_model(kind: str, args: argparse.Namespace) -> None:
     for chunks in (4, 16, None):
         m = copy.deepcopy(base)
         handle = forget_hf.chunk_loss(m, chunks=chunks)
+        if chunks is None:
+            alone = peak(m, model_step(m, ids))
+            rows.append(
+                (f"chunk_loss alone (default → {handle.last_chunks})", f"{alone / plain:.3f}")
+            )
         forget_hf.enable(m)
         p = peak(m, model_step(m, ids))
         rows.append(
@@ -200,7 +205,9 @@ def run_model(kind: str, args: argparse.Namespace) -> None:
     rows.append(
         (
             f"forget: chunk_loss + forget.plan at torch's peak (planned in {plan_s:.0f} s)",
-            f"{forget_peak / plain:.3f} (plan measured {plan.measured_peak_bytes / plain:.3f})",
+            f"{forget_peak / plain:.3f} (plan: measured {plan.measured_peak_bytes / plain:.3f}, "
+            f"predicted {plan.predicted_peak_bytes / plain:.3f}; plain with the chunked head "
+            f"predicted {plan.plain_peak_bytes / plain:.3f})",
         )
     )
     steps["forget plan"], models["forget plan"] = model_step(planned, ids), planned
