@@ -13,6 +13,7 @@ inputs more (NOTE [planning within the budget] in `.planner`).
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import statistics
@@ -52,12 +53,15 @@ def _capture(
     module's work, not the step's. Inputs the forward made are copied (a later
     in-place op of the forward may write into them; the step's own inputs and
     parameters are taken as they are) and require grad where the step's did,
-    by the ``layouts`` the fake run saw. Returns, per name, the args, the
-    kwargs and the bytes of the copies.
+    by the ``layouts`` the fake run saw. An input the module may change that is
+    no tensor (a key/value cache) is copied as the module found it (NOTE
+    [inputs that change]). Returns, per name, the args, the kwargs and the
+    bytes of the copies.
     """
     model = step.model
     alive = [*pytree.tree_leaves((step.args, step.kwargs)), *model.parameters(), *model.buffers()]
     made_before = {s.data_ptr() for t in alive if (s := storage_of(t)) is not None}
+    shared = _shared(alive, model)
     got: dict[str, tuple[Any, Any, int]] = {}
 
     def hook_of(name: str) -> Callable[..., None]:
@@ -80,6 +84,9 @@ def _capture(
                         leaf = leaf.clone()
                         copies += leaf.untyped_storage().nbytes()
                     leaf.requires_grad_(bool(match and match[2]))
+                elif _may_change(leaf):
+                    leaf, made = _fresh(leaf, shared)
+                    copies += made
                 copied.append(leaf)
             got_args, got_kwargs = pytree.tree_unflatten(copied, spec)
             got[name] = (got_args, got_kwargs, copies)
@@ -101,6 +108,63 @@ def _capture(
         for handle in handles:
             handle.remove()
     return got
+
+
+# Values a module cannot change in place: inputs that need no copy (NOTE [inputs that change]).
+_IMMUTABLE = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+def _may_change(leaf: Any) -> bool:
+    """Whether ``leaf``, an input that is no tensor, is an object a module may change
+    in place (NOTE [inputs that change])."""
+    return not isinstance(leaf, (*_IMMUTABLE, Tensor, nn.Module, type)) and not callable(leaf)
+
+
+def _shared(tensors: Sequence[Any], module: nn.Module) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo that keeps ``tensors`` and ``module``'s parameters,
+    buffers and submodules as they are, not copied."""
+    kept = [*tensors, *module.parameters(), *module.buffers(), *module.modules()]
+    return {id(obj): obj for obj in kept}
+
+
+def _fresh(leaf: Any, shared: Mapping[int, Any]) -> tuple[Any, int]:
+    """A deep copy of ``leaf`` sharing what ``shared`` holds, and the bytes of the
+    storages it made.
+
+    NOTE [inputs that change]: a module may change an input that is no tensor:
+    transformers passes one key/value cache (``past_key_values``, a
+    ``DynamicCache``) to every attention layer, and each appends its keys and
+    values to it. Run alone on the object captured, a module would see what
+    the rest of the capture's forward appended, and then what its own earlier
+    runs did, whose graph a backward has freed ("backward through the graph a
+    second time"). So such an input is deep-copied at the capture, as the
+    module found it, and again for each run alone: every run starts where the
+    step's call did. Parameters, buffers, modules and the step's inputs are
+    shared, not copied. An object that cannot be copied is taken as it is.
+    """
+    memo = dict(shared)
+    try:
+        copied = copy.deepcopy(leaf, memo)
+    except (TypeError, RuntimeError, copy.Error):
+        return leaf, 0  # not copyable (a lock, a generator): as the step passed it
+    made = {
+        s.data_ptr(): s.nbytes()
+        for key, value in memo.items()
+        if key not in shared and (s := storage_of(value)) is not None
+    }
+    return copied, sum(made.values())
 
 
 def _layout_bytes(layout: Layout) -> int:
@@ -286,9 +350,13 @@ class _Alone:
     def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.forward = module.forward
         self.args, self.kwargs = args, kwargs
+        self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
         params = [p for p in module.parameters() if p.requires_grad]
-        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        leaves = [t for t in self.leaves if isinstance(t, Tensor)]
         self.tensors = [*params, *leaves]
+        # NOTE [inputs that change]: copied afresh for every call
+        self.changing = [i for i, leaf in enumerate(self.leaves) if _may_change(leaf)]
+        self.shared = _shared(leaves, module) if self.changing else {}
         self.copies = False
         self._plain_peak: int | None = None  # the ledger's, of the plain step alone
 
@@ -301,15 +369,29 @@ class _Alone:
         in place]: on copies once a call was refused for writing into a leaf)."""
         if not self.copies:
             try:
-                return fn(*options, *self.args, **self.kwargs)
+                args, kwargs = self.inputs()
+                return fn(*options, *args, **kwargs)
             except RuntimeError as error:
                 if "leaf Variable that requires grad" not in str(error):
                     raise
                 self.copies = True
-        args, kwargs = pytree.tree_map_only(
-            Tensor, lambda t: t.clone() if t.requires_grad else t, (self.args, self.kwargs)
-        )
+        args, kwargs = self.inputs()
         return fn(*options, *args, **kwargs)
+
+    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The args and kwargs of one call: as captured, but with fresh copies of the
+        inputs it may change (NOTE [inputs that change]) and, once a call was refused
+        for writing into a leaf, of those that require grad (NOTE [inputs written in
+        place])."""
+        if not self.changing and not self.copies:
+            return self.args, self.kwargs
+        leaves = list(self.leaves)
+        if self.copies:
+            leaves = [t.clone() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves]
+        for i in self.changing:
+            leaves[i], _ = _fresh(leaves[i], self.shared)
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
 
     def run(self, policy: Policy | None) -> Any:
         if policy is None:
