@@ -450,7 +450,7 @@ def test_candidates_choose_the_regions() -> None:
 def _tiny_gpt2(tf: Any, positions: int) -> nn.Module:
     """A two-layer GPT-2 (dropout on) from a config, seeded."""
     config = tf.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=positions, use_cache=False,
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=positions,
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -500,7 +500,10 @@ def test_transformers_enable_with_a_cap_takes_the_partial_keep_as_its_policy() -
     ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(0))
     peak = forget.measure(lambda: plain(input_ids=ids, labels=ids).loss.backward()).peak_bytes
     selective = DEFAULT_OPTIONS["selective"]
-    forget_hf.enable(model, cap=int(0.8 * peak), policy=selective)
+    # The key/value cache (use_cache on) holds each layer's keys and values past it,
+    # which a layer kept in part does not drop: such a step peaks above 0.8 of
+    # the plain one.
+    forget_hf.enable(model, cap=int(0.85 * peak), policy=selective)
     handle = forget_hf.cap_of(model)
     assert handle is not None and handle.partial is selective
     for _ in range(3):  # read, then in part, then the decision repeated

@@ -50,7 +50,6 @@ def _gpt2(layers: int = LAYERS) -> Any:
         n_positions=64,
         bos_token_id=0,
         eos_token_id=0,
-        use_cache=False,
     )  # resid/embd/attn dropout 0.1 by default
     return transformers.GPT2LMHeadModel(config)
 
@@ -68,7 +67,6 @@ def _llama(layers: int = LAYERS) -> Any:
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
-        use_cache=False,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -82,7 +80,6 @@ def _bert() -> Any:
         vocab_size=VOCAB,
         max_position_embeddings=64,
         pad_token_id=0,
-        use_cache=False,
     )  # hidden and attention dropout 0.1 by default
     return transformers.BertForMaskedLM(config)
 
@@ -697,7 +694,6 @@ def _t5() -> Any:
         decoder_start_token_id=0,
         pad_token_id=0,
         eos_token_id=1,
-        use_cache=False,
     )  # dropout 0.1
     return transformers.T5ForConditionalGeneration(config)
 
