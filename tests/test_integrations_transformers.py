@@ -151,6 +151,9 @@ def test_gradients_equal_plain_and_transformers_checkpointing(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _make(name)
+    # transformers' checkpointing passes no key/value cache to the layers: bitwise the
+    # plain step only with the cache off (with it on: the test below)
+    model.config.use_cache = False
     plain = _step(model)
     assert not torch.equal(plain[0], _step(model, seed=4)[0])  # dropout is on
 
@@ -174,6 +177,24 @@ def test_gradients_equal_plain_and_transformers_checkpointing(
     seen.clear()
     _assert_equal(plain, _step(model))
     assert len(calls) == LAYERS and seen == [False] * LAYERS
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_with_the_cache_on_gradients_equal_transformers_checkpointing(name: str) -> None:
+    # The configs' default: transformers' checkpointing passes no cache to the layers,
+    # and neither does enable, whose layers are re-run exactly as theirs.
+    model = _make(name)
+    assert model.config.use_cache
+    plain = _step(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    theirs = _step(model)
+    model.activation_checkpointing_disable()
+    assert torch.equal(plain[0], theirs[0])
+    assert all(torch.allclose(plain[1][n], theirs[1][n], atol=1e-6) for n in plain[1])
+    forget_hf.enable(model)
+    _assert_equal(theirs, _step(model))
+    forget_hf.disable(model)
+    assert torch.equal(plain[0], _step(model)[0])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
