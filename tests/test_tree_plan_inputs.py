@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 
 import pytest
 import torch
@@ -299,6 +300,32 @@ def test_a_module_that_changes_an_input_that_is_no_tensor_is_planned_and_exact()
             net(**inputs).loss.backward()
         for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
             assert torch.equal(a.grad, b.grad), (budget, name)
+
+
+class _Box:
+    """An object a module may change: it holds a tensor it made, and a parameter."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        self.items = [torch.ones(3)]
+        self.weight = weight
+
+
+def test_inputs_that_change_are_copied_but_parameters_and_what_cannot_be_copied():
+    # NOTE [inputs that change]
+    from forget.planning._tree.alone import _fresh, _may_change, _shared
+
+    linear = nn.Linear(2, 2)
+    box = _Box(linear.weight)
+    shared = _shared([], linear)
+    copied, made = _fresh(box, shared)
+    assert copied is not box and copied.items is not box.items
+    assert copied.items[0] is not box.items[0] and torch.equal(copied.items[0], box.items[0])
+    assert copied.weight is linear.weight  # shared, not copied
+    assert made == 3 * 4  # the one float tensor it made
+    lock = threading.Lock()
+    assert _fresh(lock, shared) == (lock, 0)  # cannot be copied: taken as it is
+    assert _may_change(box) and _may_change(lock)
+    assert not any(map(_may_change, (None, 3, "x", torch.float32, linear, print, _Box)))
 
 
 @pytest.mark.parametrize("name", ["resnet", "llama"])

@@ -157,7 +157,7 @@ def _fresh(leaf: Any, shared: Mapping[int, Any]) -> tuple[Any, int]:
     memo = dict(shared)
     try:
         copied = copy.deepcopy(leaf, memo)
-    except (TypeError, RuntimeError, copy.Error):
+    except (TypeError, copy.Error):
         return leaf, 0  # not copyable (a lock, a generator): as the step passed it
     made = {
         s.data_ptr(): s.nbytes()
