@@ -85,8 +85,11 @@ def _capture(
                         copies += leaf.untyped_storage().nbytes()
                     leaf.requires_grad_(bool(match and match[2]))
                 elif _may_change(leaf):
-                    leaf, made = _fresh(leaf, shared)
-                    copies += made
+                    leaf = _fresh(leaf, shared)
+                    # what it holds that the forward made (NOTE [inputs that change])
+                    storages = (storage_of(t) for t in _tensors_in(leaf))
+                    made = {s.data_ptr(): s.nbytes() for s in storages if s is not None}
+                    copies += sum(n for p, n in made.items() if p not in made_before)
                 copied.append(leaf)
             got_args, got_kwargs = pytree.tree_unflatten(copied, spec)
             got[name] = (got_args, got_kwargs, copies)
@@ -139,9 +142,8 @@ def _shared(tensors: Sequence[Any], module: nn.Module) -> dict[int, Any]:
     return {id(obj): obj for obj in kept}
 
 
-def _fresh(leaf: Any, shared: Mapping[int, Any]) -> tuple[Any, int]:
-    """A deep copy of ``leaf`` sharing what ``shared`` holds, and the bytes of the
-    storages it made.
+def _fresh(leaf: Any, shared: Mapping[int, Any]) -> Any:
+    """A copy of ``leaf``'s structure: its tensors, and what ``shared`` holds, shared.
 
     NOTE [inputs that change]: a module may change an input that is no tensor:
     transformers passes one key/value cache (``past_key_values``, a
@@ -149,22 +151,44 @@ def _fresh(leaf: Any, shared: Mapping[int, Any]) -> tuple[Any, int]:
     values to it. Run alone on the object captured, a module would see what
     the rest of the capture's forward appended, and then what its own earlier
     runs did, whose graph a backward has freed ("backward through the graph a
-    second time"). So such an input is deep-copied at the capture, as the
-    module found it, and again for each run alone: every run starts where the
-    step's call did. Parameters, buffers, modules and the step's inputs are
-    shared, not copied. An object that cannot be copied is taken as it is.
+    second time"). So such an input is copied at the capture, as the module
+    found it, and again for each run alone: every run starts where the step's
+    call did. The copies share its tensors (no bytes, one cache for every
+    layer's copy): a cache appends by binding a new tensor, so a copy of its
+    structure keeps what the module found; one that writes into its tensors
+    in place (a static cache) is not kept so. An object that cannot be copied
+    is taken as it is.
     """
     memo = dict(shared)
+    memo.update((id(t), t) for t in _tensors_in(leaf))
     try:
-        copied = copy.deepcopy(leaf, memo)
+        return copy.deepcopy(leaf, memo)
     except (TypeError, copy.Error):
-        return leaf, 0  # not copyable (a lock, a generator): as the step passed it
-    made = {
-        s.data_ptr(): s.nbytes()
-        for key, value in memo.items()
-        if key not in shared and (s := storage_of(value)) is not None
-    }
-    return copied, sum(made.values())
+        return leaf  # not copyable (a lock, a generator): as the step passed it
+
+
+def _tensors_in(obj: Any) -> list[Tensor]:
+    """The tensors ``obj`` holds, through containers and attributes (not modules'),
+    each once."""
+    found: list[Tensor] = []
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Tensor):
+            found.append(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            todo.extend(item)
+        elif _may_change(item):
+            todo.extend(getattr(item, "__dict__", {}).values())
+            slots = (n for c in type(item).__mro__ for n in getattr(c, "__slots__", ()))
+            todo.extend(getattr(item, n) for n in slots if isinstance(n, str) and hasattr(item, n))
+    return found
 
 
 def _layout_bytes(layout: Layout) -> int:
@@ -357,12 +381,21 @@ class _Alone:
         # NOTE [inputs that change]: copied afresh for every call
         self.changing = [i for i, leaf in enumerate(self.leaves) if _may_change(leaf)]
         self.shared = _shared(leaves, module) if self.changing else {}
+        self.made: list[Any] = []  # the calls' copies of those, emptied by `clear`
         self.copies = False
         self._plain_peak: int | None = None  # the ledger's, of the plain step alone
 
     def clear(self) -> None:
+        """Drop the gradients, and empty the copies the calls made (NOTE [inputs that
+        change]): a forgotten region keeps its inputs for its re-run, a cache among
+        them, which holds the region's outputs, whose graph holds the region: a cycle
+        through autograd's graph that the collector cannot see, where a forward ran
+        without backward."""
         for t in self.tensors:
             t.grad = None
+        for made in self.made:
+            vars(made).clear()
+        self.made.clear()
 
     def call(self, fn: Callable[..., Any], *options: Any) -> Any:
         """``fn(*options, *args, **kwargs)`` on the module's inputs (NOTE [inputs written
@@ -389,7 +422,9 @@ class _Alone:
         if self.copies:
             leaves = [t.clone() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves]
         for i in self.changing:
-            leaves[i], _ = _fresh(leaves[i], self.shared)
+            leaves[i] = _fresh(leaves[i], self.shared)
+            if leaves[i] is not self.leaves[i] and hasattr(leaves[i], "__dict__"):
+                self.made.append(leaves[i])
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
 
