@@ -258,9 +258,9 @@ def test_a_second_step_of_known_shapes_reserves_what_the_forward_reached(read_al
     assert max(peaks) <= budget, [p / budget for p in peaks]
     if read_allocator == "largest":
         # Its estimate is the allocator's reach: within 1 % of the cap of the peak.
-        # With the key/value cache on (GPT-2's default), where each layer re-run in
-        # backward appends its keys and values once more, the estimate stays above
-        # the peak by more than 1 % of the cap: only its side is asserted there.
+        # With the key/value cache on (GPT-2's default), which holds every layer's
+        # keys and values past it, the estimate stays above the peak by more than
+        # 1 % of the cap (not yet understood): only its side is asserted there.
         second = handle.steps[1]
         assert second.estimated_peak_bytes >= peaks[1]
         assert cache or second.estimated_peak_bytes - peaks[1] <= budget // 100

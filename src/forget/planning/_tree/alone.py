@@ -13,7 +13,6 @@ inputs more (NOTE [planning within the budget] in `.planner`).
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import statistics
@@ -24,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ...engine import storage_of
+from ...engine import copy_structure, may_change, storage_of, tensors_in
 from ...memory import Ledger, measure, watch
 from ...policies import Policy
 from .._clock import spans
@@ -55,13 +54,12 @@ def _capture(
     parameters are taken as they are) and require grad where the step's did,
     by the ``layouts`` the fake run saw. An input the module may change that is
     no tensor (a key/value cache) is copied as the module found it (NOTE
-    [inputs that change]). Returns, per name, the args, the kwargs and the
+    [arguments that change] in `forget.engine`). Returns, per name, the args, the kwargs and the
     bytes of the copies.
     """
     model = step.model
     alive = [*pytree.tree_leaves((step.args, step.kwargs)), *model.parameters(), *model.buffers()]
     made_before = {s.data_ptr() for t in alive if (s := storage_of(t)) is not None}
-    shared = _shared(alive, model)
     got: dict[str, tuple[Any, Any, int]] = {}
 
     def hook_of(name: str) -> Callable[..., None]:
@@ -84,10 +82,12 @@ def _capture(
                         leaf = leaf.clone()
                         copies += leaf.untyped_storage().nbytes()
                     leaf.requires_grad_(bool(match and match[2]))
-                elif _may_change(leaf):
-                    leaf = _fresh(leaf, shared)
-                    # what it holds that the forward made (NOTE [inputs that change])
-                    storages = (storage_of(t) for t in _tensors_in(leaf))
+                elif may_change(leaf):
+                    # NOTE [arguments that change] in forget.engine: as the module found
+                    # it (a cache the rest of the forward appends to), and the bytes it
+                    # holds that the forward made
+                    leaf = copy_structure(leaf)
+                    storages = (storage_of(t) for t in tensors_in(leaf))
                     made = {s.data_ptr(): s.nbytes() for s in storages if s is not None}
                     copies += sum(n for p, n in made.items() if p not in made_before)
                 copied.append(leaf)
@@ -111,84 +111,6 @@ def _capture(
         for handle in handles:
             handle.remove()
     return got
-
-
-# Values a module cannot change in place: inputs that need no copy (NOTE [inputs that change]).
-_IMMUTABLE = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-)
-
-
-def _may_change(leaf: Any) -> bool:
-    """Whether ``leaf``, an input that is no tensor, is an object a module may change
-    in place (NOTE [inputs that change])."""
-    return not isinstance(leaf, (*_IMMUTABLE, Tensor, nn.Module, type)) and not callable(leaf)
-
-
-def _shared(tensors: Sequence[Any], module: nn.Module) -> dict[int, Any]:
-    """A ``copy.deepcopy`` memo that keeps ``tensors`` and ``module``'s parameters,
-    buffers and submodules as they are, not copied."""
-    kept = [*tensors, *module.parameters(), *module.buffers(), *module.modules()]
-    return {id(obj): obj for obj in kept}
-
-
-def _fresh(leaf: Any, shared: Mapping[int, Any]) -> Any:
-    """A copy of ``leaf``'s structure: its tensors, and what ``shared`` holds, shared.
-
-    NOTE [inputs that change]: a module may change an input that is no tensor:
-    transformers passes one key/value cache (``past_key_values``, a
-    ``DynamicCache``) to every attention layer, and each appends its keys and
-    values to it. Run alone on the object captured, a module would see what
-    the rest of the capture's forward appended, and then what its own earlier
-    runs did, whose graph a backward has freed ("backward through the graph a
-    second time"). So such an input is copied at the capture, as the module
-    found it, and again for each run alone: every run starts where the step's
-    call did. The copies share its tensors (no bytes, one cache for every
-    layer's copy): a cache appends by binding a new tensor, so a copy of its
-    structure keeps what the module found; one that writes into its tensors
-    in place (a static cache) is not kept so. An object that cannot be copied
-    is taken as it is.
-    """
-    memo = dict(shared)
-    memo.update((id(t), t) for t in _tensors_in(leaf))
-    try:
-        return copy.deepcopy(leaf, memo)
-    except (TypeError, copy.Error):
-        return leaf  # not copyable (a lock, a generator): as the step passed it
-
-
-def _tensors_in(obj: Any) -> list[Tensor]:
-    """The tensors ``obj`` holds, through containers and attributes (not modules'),
-    each once."""
-    found: list[Tensor] = []
-    seen: set[int] = set()
-    todo = [obj]
-    while todo:
-        item = todo.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, Tensor):
-            found.append(item)
-        elif isinstance(item, dict):
-            todo.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            todo.extend(item)
-        elif _may_change(item):
-            todo.extend(getattr(item, "__dict__", {}).values())
-            slots = (n for c in type(item).__mro__ for n in getattr(c, "__slots__", ()))
-            todo.extend(getattr(item, n) for n in slots if isinstance(n, str) and hasattr(item, n))
-    return found
 
 
 def _layout_bytes(layout: Layout) -> int:
@@ -378,24 +300,14 @@ class _Alone:
         params = [p for p in module.parameters() if p.requires_grad]
         leaves = [t for t in self.leaves if isinstance(t, Tensor)]
         self.tensors = [*params, *leaves]
-        # NOTE [inputs that change]: copied afresh for every call
-        self.changing = [i for i, leaf in enumerate(self.leaves) if _may_change(leaf)]
-        self.shared = _shared(leaves, module) if self.changing else {}
-        self.made: list[Any] = []  # the calls' copies of those, emptied by `clear`
+        # NOTE [arguments that change] in forget.engine: copied afresh for every call
+        self.changing = [i for i, leaf in enumerate(self.leaves) if may_change(leaf)]
         self.copies = False
         self._plain_peak: int | None = None  # the ledger's, of the plain step alone
 
     def clear(self) -> None:
-        """Drop the gradients, and empty the copies the calls made (NOTE [inputs that
-        change]): a forgotten region keeps its inputs for its re-run, a cache among
-        them, which holds the region's outputs, whose graph holds the region: a cycle
-        through autograd's graph that the collector cannot see, where a forward ran
-        without backward."""
         for t in self.tensors:
             t.grad = None
-        for made in self.made:
-            vars(made).clear()
-        self.made.clear()
 
     def call(self, fn: Callable[..., Any], *options: Any) -> Any:
         """``fn(*options, *args, **kwargs)`` on the module's inputs (NOTE [inputs written
@@ -413,7 +325,8 @@ class _Alone:
 
     def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The args and kwargs of one call: as captured, but with fresh copies of the
-        inputs it may change (NOTE [inputs that change]) and, once a call was refused
+        inputs it may change (NOTE [arguments that change] in `forget.engine`: a cache
+        each run would append to) and, once a call was refused
         for writing into a leaf, of those that require grad (NOTE [inputs written in
         place])."""
         if not self.changing and not self.copies:
@@ -422,9 +335,7 @@ class _Alone:
         if self.copies:
             leaves = [t.clone() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves]
         for i in self.changing:
-            leaves[i] = _fresh(leaves[i], self.shared)
-            if leaves[i] is not self.leaves[i] and hasattr(leaves[i], "__dict__"):
-                self.made.append(leaves[i])
+            leaves[i] = copy_structure(leaves[i])
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
 
