@@ -77,11 +77,20 @@ def _llama(layers: int = 2) -> tuple[nn.Module, dict[str, Any]]:
         num_key_value_heads=2,
         vocab_size=64,
         max_position_embeddings=64,
-        use_cache=False,
     )
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (4, 32))
     return tf.LlamaForCausalLM(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def _gpt2(layers: int = 3) -> tuple[nn.Module, dict[str, Any]]:
+    """GPT-2 from its config's defaults but its sizes: dropout 0.1, and ``use_cache``
+    on, so that every attention layer appends to the one key/value cache of the step."""
+    tf = _transformers()
+    config = tf.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64, n_positions=64)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (4, 64))
+    return tf.GPT2LMHeadModel(config).train(), {"input_ids": ids, "labels": ids}
 
 
 def _bert() -> tuple[nn.Module, dict[str, Any]]:

@@ -517,7 +517,7 @@ def test_candidates_choose_the_regions() -> None:
 def _tiny_gpt2(tf: Any, positions: int) -> nn.Module:
     """A two-layer GPT-2 (dropout on) from a config, seeded."""
     config = tf.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=positions, use_cache=False,
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=positions,
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -566,7 +566,10 @@ def test_transformers_cap_goes_in_part_as_forget_cap_does() -> None:
     model = copy.deepcopy(plain)
     ids = torch.randint(0, 64, (2, 128), generator=torch.Generator().manual_seed(0))
     peak = forget.measure(lambda: plain(input_ids=ids, labels=ids).loss.backward()).peak_bytes
-    forget_hf.cap(model, int(0.8 * peak))
+    # The key/value cache (use_cache on) holds each layer's keys and values past it,
+    # which a layer kept in part does not drop: such a step peaks above 0.8 of
+    # the plain one.
+    forget_hf.cap(model, int(0.85 * peak))
     handle = forget_hf.cap_of(model)
     assert handle is not None and handle.partial is DEFAULT_OPTIONS["selective"]
     for _ in range(3):  # read, then in part, then the decision repeated

@@ -8,6 +8,7 @@ the allocator's, by ``forget.measure(..., probe="profiler")``.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -217,11 +218,11 @@ def test_read_allocator_of_another_name_is_refused():
         _cap_with(_net(), 10**9, read_allocator="sometimes")
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(**overrides: Any) -> nn.Module:
     tf = pytest.importorskip("transformers")
     tf.logging.set_verbosity_error()
     config = tf.GPT2Config(
-        vocab_size=128, n_embd=32, n_head=2, n_layer=4, n_positions=128, use_cache=False
+        vocab_size=128, n_embd=32, n_head=2, n_layer=4, n_positions=128, **overrides
     )
     torch.manual_seed(0)
     return tf.GPT2LMHeadModel(config).train()
@@ -234,16 +235,17 @@ def _lm_step(model: nn.Module) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["defaults", "use_cache=False"])
 @pytest.mark.parametrize("read_allocator", ["largest", "never"])
-def test_a_second_step_of_known_shapes_reserves_what_the_forward_reached(read_allocator):
+def test_a_second_step_of_known_shapes_reserves_what_the_forward_reached(read_allocator, cache):
     # NOTE [forward reaches]: the first step, knowing nothing, reserves a whole layer
     # past every boundary and evicts all four; the second, at the shapes the first
     # read, reserves what the allocator reached there and keeps the last layer.
-    plain = _gpt2()
+    plain = _gpt2(use_cache=cache)
     _lm_step(plain)
     budget = forget.measure(lambda: _lm_step(plain), probe="profiler").peak_bytes // 2
     expected = _grads(plain)
-    model = _gpt2()
+    model = _gpt2(use_cache=cache)
     # Whole regions only: what the reach changes is how many go.
     handle = _cap_with(model, budget, read_allocator=read_allocator, partial=None)
     peaks = []
@@ -257,5 +259,9 @@ def test_a_second_step_of_known_shapes_reserves_what_the_forward_reached(read_al
     assert max(peaks) <= budget, [p / budget for p in peaks]
     if read_allocator == "largest":
         # Its estimate is the allocator's reach: within 1 % of the cap of the peak.
+        # With the key/value cache on (GPT-2's default), which holds every layer's
+        # keys and values past it, the estimate stays above the peak by more than
+        # 1 % of the cap (not yet understood): only its side is asserted there.
         second = handle.steps[1]
-        assert 0 <= second.estimated_peak_bytes - peaks[1] <= budget // 100
+        assert second.estimated_peak_bytes >= peaks[1]
+        assert cache or second.estimated_peak_bytes - peaks[1] <= budget // 100

@@ -51,7 +51,6 @@ def _gpt2(layers: int = LAYERS) -> Any:
         n_positions=64,
         bos_token_id=0,
         eos_token_id=0,
-        use_cache=False,
     )  # resid/embd/attn dropout 0.1 by default
     return transformers.GPT2LMHeadModel(config)
 
@@ -69,7 +68,6 @@ def _llama(layers: int = LAYERS) -> Any:
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
-        use_cache=False,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -83,7 +81,6 @@ def _bert() -> Any:
         vocab_size=VOCAB,
         max_position_embeddings=64,
         pad_token_id=0,
-        use_cache=False,
     )  # hidden and attention dropout 0.1 by default
     return transformers.BertForMaskedLM(config)
 
@@ -155,6 +152,9 @@ def test_gradients_equal_plain_and_transformers_checkpointing(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _make(name)
+    # transformers' checkpointing passes no key/value cache to the layers: bitwise the
+    # plain step only with the cache off (with it on: the test below)
+    model.config.use_cache = False
     plain = _step(model)
     assert not torch.equal(plain[0], _step(model, seed=4)[0])  # dropout is on
 
@@ -178,6 +178,24 @@ def test_gradients_equal_plain_and_transformers_checkpointing(
     seen.clear()
     _assert_equal(plain, _step(model))
     assert len(calls) == LAYERS and seen == [False] * LAYERS
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_with_the_cache_on_gradients_equal_transformers_checkpointing(name: str) -> None:
+    # The configs' default: transformers' checkpointing passes no cache to the layers,
+    # and neither does enable, whose layers are re-run exactly as theirs.
+    model = _make(name)
+    assert model.config.use_cache
+    plain = _step(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    theirs = _step(model)
+    model.activation_checkpointing_disable()
+    assert torch.equal(plain[0], theirs[0])
+    assert all(torch.allclose(plain[1][n], theirs[1][n], atol=1e-6) for n in plain[1])
+    forget_hf.enable(model)
+    _assert_equal(theirs, _step(model))
+    forget_hf.disable(model)
+    assert torch.equal(plain[0], _step(model)[0])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -204,6 +222,7 @@ def test_saves_less_memory(name: str) -> None:
 
 def test_policy_reaches_every_layer() -> None:
     model = _make("gpt2")
+    model.config.use_cache = False  # bitwise the plain step so (the cache: see above)
     plain = _step(model)
     forget_hf.enable(model)
     nothing = forget.measure(lambda: _loss(model).backward())
@@ -254,6 +273,7 @@ def test_torch_compile_of_enabled_model_matches_eager(name: str) -> None:
     # Under compile the layers run as torch's checkpoint (docs/compile.md); with
     # aot_eager on CPU loss and gradients stay bitwise those of the plain eager step.
     model = _make(name)
+    model.config.use_cache = False  # bitwise the plain step so (the cache: see above)
     plain = _step(model)
     forget_hf.enable(model)
     torch._dynamo.reset()
@@ -698,7 +718,6 @@ def _t5() -> Any:
         decoder_start_token_id=0,
         pad_token_id=0,
         eos_token_id=1,
-        use_cache=False,
     )  # dropout 0.1
     return transformers.T5ForConditionalGeneration(config)
 

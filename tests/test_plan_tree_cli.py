@@ -268,7 +268,7 @@ def test_plan_hugging_face_factory_with_a_dict_batch(tmp_path, monkeypatch, fixe
                 config = LlamaConfig(
                     num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                    max_position_embeddings=64, use_cache=False,
+                    max_position_embeddings=64,
                 )
                 ids = torch.randint(0, 64, (2, 16))
                 return LlamaForCausalLM(config).train(), {"input_ids": ids, "labels": ids}

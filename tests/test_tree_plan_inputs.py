@@ -9,6 +9,7 @@ re-running layers in backward, which is no change). Models: tests/_tree_models.p
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -22,6 +23,7 @@ from _tree_models import (
     _assert_untouched,
     _Gated,
     _GatedStack,
+    _gpt2,
     _llama,
     _net,
     _snapshot,
@@ -277,6 +279,26 @@ def test_a_module_that_writes_into_its_input_is_planned_and_exact():
         net(x).square().mean().backward()
     for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_module_that_changes_an_input_that_is_no_tensor_is_planned_and_exact():
+    # NOTE [arguments that change]: GPT-2 as its config makes it passes one key/value
+    # cache to every attention layer, which appends to it; each run of a layer alone
+    # starts from a copy of the cache as the layer found it in the step (before, the
+    # second run backpropagated into the first's freed graph).
+    plain, inputs = _gpt2()
+    assert plain.config.use_cache
+    planner = TreePlanner(plain, (), inputs, repeats=1)
+    for budget in ("75%", "50%"):
+        plan = planner.plan(budget)
+        assert plan.choices and plan.measured_peak_bytes <= plan.budget_bytes
+        model = plan.apply(copy.deepcopy(plain))
+        for net in (plain, model):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(3)
+            net(**inputs).loss.backward()
+        for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), (budget, name)
 
 
 @pytest.mark.parametrize("name", ["resnet", "llama"])

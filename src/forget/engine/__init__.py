@@ -16,12 +16,17 @@
   [checkpoint-internal hooks]).
 - `_droppable`: a region keeping what it saves in slots a runtime empties
   (NOTE [droppable regions]; `forget.cap`).
+- `_arguments`: a region's arguments flattened and rebuilt, and copies of those
+  it may change (NOTE [arguments that change]).
 - `_storage`: storage identity; `_in_turn`: callables run in turn;
   `_local`: per-thread state (running regions, hidden ops).
 
 Other packages import the names below, never the underscore modules.
 """
 
+from ._arguments import copy_structure as copy_structure
+from ._arguments import may_change as may_change
+from ._arguments import tensors_in as tensors_in
 from ._chunked import chunked as chunked
 from ._droppable import DroppableRegion as DroppableRegion
 from ._forget import compiled_region as compiled_region
@@ -49,15 +54,18 @@ __all__ = [
     "StorageKey",
     "chunked",
     "compiled_region",
+    "copy_structure",
     "fast_path",
     "forget",
     "forgotten_regions",
     "in_recomputing",
+    "may_change",
     "ordinal",
     "regenerating",
     "run_region",
     "storage_key",
     "storage_keys",
     "storage_of",
+    "tensors_in",
     "view_key",
 ]

@@ -9,12 +9,13 @@ pytree.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["flatten", "unflatten"]
+__all__ = ["changing", "copy_structure", "flatten", "may_change", "tensors_in", "unflatten"]
 
 
 # Argument types that are leaves of a pytree (NOTE [fast path]: no flattening cost).
@@ -77,3 +78,83 @@ def unflatten(flat: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, An
         )
     args, kwargs = pytree.tree_unflatten(flat, spec)
     return args, kwargs
+
+
+# Values a function cannot change in place (NOTE [arguments that change]).
+_IMMUTABLE = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+def may_change(leaf: Any) -> bool:
+    """Whether ``leaf``, an argument that is no tensor, is an object a function may
+    change in place (NOTE [arguments that change])."""
+    return not isinstance(leaf, (*_IMMUTABLE, torch.Tensor, torch.nn.Module, type)) and not (
+        callable(leaf)
+    )
+
+
+def changing(flat: list[Any], spec: Any) -> list[int]:
+    """The positions in ``flat`` of the arguments a function may change (NOTE [arguments
+    that change]); none where `flatten` took its own path, which holds only leaves."""
+    if spec is None or isinstance(spec, _Shallow):
+        return []
+    return [i for i, leaf in enumerate(flat) if may_change(leaf)]
+
+
+def copy_structure(leaf: Any) -> Any:
+    """A copy of ``leaf`` whose tensors and modules are shared, not copied.
+
+    NOTE [arguments that change]: a function may change an argument that is no
+    tensor: transformers passes one key/value cache (``past_key_values``, a
+    ``DynamicCache``) to every attention layer, and each appends its keys and
+    values to it. A region re-run on the very object would append once more
+    (the cache the step returned holding them twice, and an attention that
+    reads the whole cache differing from its forward), and the object, holding
+    the region's outputs, would keep the region alive in a cycle through
+    autograd's graph that the collector cannot see. So a region keeps, for its
+    re-runs, a copy made before its forward, and each re-run gets a copy of
+    that. A cache appends by binding a new tensor, so a copy of its structure
+    keeps what the function found: no bytes. One that writes into its tensors
+    in place (a static cache) is not kept so. An object that cannot be copied
+    (a lock, a generator) is taken as it is.
+    """
+    memo = {id(obj): obj for obj in tensors_in(leaf, modules=True)}
+    try:
+        return copy.deepcopy(leaf, memo)
+    except (TypeError, copy.Error):
+        return leaf
+
+
+def tensors_in(obj: Any, modules: bool = False) -> list[Any]:
+    """The tensors ``obj`` holds, through containers and attributes, each once (and,
+    with ``modules``, the modules it holds, not entered)."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor) or (modules and isinstance(item, torch.nn.Module)):
+            found.append(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            todo.extend(item)
+        elif may_change(item):
+            todo.extend(getattr(item, "__dict__", {}).values())
+            slots = (n for c in type(item).__mro__ for n in getattr(c, "__slots__", ()))
+            todo.extend(getattr(item, n) for n in slots if isinstance(n, str) and hasattr(item, n))
+    return found

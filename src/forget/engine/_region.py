@@ -77,7 +77,7 @@ import torch
 
 from ..errors import ForgetError, RecomputationMismatchError
 from ..policies import Action, Policy
-from ._arguments import flatten, unflatten
+from ._arguments import changing, copy_structure, flatten, unflatten
 from ._debug import OpTrace
 from ._hooks import region_hooks
 from ._local import _packers, hidden
@@ -192,6 +192,10 @@ class Region:
         # a re-run gets them rebuilt from the leaves.
         self._forward_args: tuple[tuple[Any, ...], dict[str, Any]] | None = (args, kwargs)
         self._flat = list(flat)
+        # NOTE [arguments that change]: re-runs start from a copy made before the forward.
+        self._changing = changing(flat, self._spec)
+        for i in self._changing:
+            self._flat[i] = copy_structure(flat[i])
         for i in self._tensor_pos:
             if outer is None:
                 continue
@@ -426,6 +430,8 @@ class Region:
             for v in self._flat
         ]
         self._check_versions(flat)
+        for i in self._changing:  # NOTE [arguments that change]: each re-run its own
+            flat[i] = copy_structure(flat[i])
         args, kwargs = unflatten(flat, self._spec)
         count = 0
         # NOTE [policy replay]: kept op outputs stand in for their ops, except under

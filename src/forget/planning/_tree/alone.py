@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ...engine import storage_of
+from ...engine import copy_structure, may_change, storage_of, tensors_in
 from ...memory import Ledger, measure, watch
 from ...policies import Policy
 from .._clock import Clock
@@ -53,8 +53,10 @@ def _capture(
     module's work, not the step's. Inputs the forward made are copied (a later
     in-place op of the forward may write into them; the step's own inputs and
     parameters are taken as they are) and require grad where the step's did,
-    by the ``layouts`` the fake run saw. Returns, per name, the args, the
-    kwargs and the bytes of the copies.
+    by the ``layouts`` the fake run saw. An input the module may change that is
+    no tensor (a key/value cache) is copied as the module found it (NOTE
+    [arguments that change] in `forget.engine`). Returns, per name, the args, the kwargs and the
+    bytes of the copies.
     """
     model = step.model
     alive = [*pytree.tree_leaves((step.args, step.kwargs)), *model.parameters(), *model.buffers()]
@@ -81,6 +83,14 @@ def _capture(
                         leaf = leaf.clone()
                         copies += leaf.untyped_storage().nbytes()
                     leaf.requires_grad_(bool(match and match[2]))
+                elif may_change(leaf):
+                    # NOTE [arguments that change] in forget.engine: as the module found
+                    # it (a cache the rest of the forward appends to), and the bytes it
+                    # holds that the forward made
+                    leaf = copy_structure(leaf)
+                    storages = (storage_of(t) for t in tensors_in(leaf))
+                    made = {s.data_ptr(): s.nbytes() for s in storages if s is not None}
+                    copies += sum(n for p, n in made.items() if p not in made_before)
                 copied.append(leaf)
             got_args, got_kwargs = pytree.tree_unflatten(copied, spec)
             got[name] = (got_args, got_kwargs, copies)
@@ -351,9 +361,12 @@ class _Alone:
     def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.forward = module.forward
         self.args, self.kwargs = args, kwargs
+        self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
         params = [p for p in module.parameters() if p.requires_grad]
-        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        leaves = [t for t in self.leaves if isinstance(t, Tensor)]
         self.tensors = [*params, *leaves]
+        # NOTE [arguments that change] in forget.engine: copied afresh for every call
+        self.changing = [i for i, leaf in enumerate(self.leaves) if may_change(leaf)]
         self.copies = False
         self._plain_peak: int | None = None  # the ledger's, of the plain step alone
 
@@ -366,15 +379,30 @@ class _Alone:
         in place]: on copies once a call was refused for writing into a leaf)."""
         if not self.copies:
             try:
-                return fn(*options, *self.args, **self.kwargs)
+                args, kwargs = self.inputs()
+                return fn(*options, *args, **kwargs)
             except RuntimeError as error:
                 if "leaf Variable that requires grad" not in str(error):
                     raise
                 self.copies = True
-        args, kwargs = pytree.tree_map_only(
-            Tensor, lambda t: t.clone() if t.requires_grad else t, (self.args, self.kwargs)
-        )
+        args, kwargs = self.inputs()
         return fn(*options, *args, **kwargs)
+
+    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The args and kwargs of one call: as captured, but with fresh copies of the
+        inputs it may change (NOTE [arguments that change] in `forget.engine`: a cache
+        each run would append to) and, once a call was refused
+        for writing into a leaf, of those that require grad (NOTE [inputs written in
+        place])."""
+        if not self.changing and not self.copies:
+            return self.args, self.kwargs
+        leaves = list(self.leaves)
+        if self.copies:
+            leaves = [t.clone() if isinstance(t, Tensor) and t.requires_grad else t for t in leaves]
+        for i in self.changing:
+            leaves[i] = copy_structure(leaves[i])
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
 
     def run(self, policy: Policy | None) -> Any:
         if policy is None:
