@@ -271,10 +271,16 @@ def test_a_plan_counts_the_chunked_head_and_fits_below_the_logits():
     model = _llama().train()
     ids, labels = _batch(tokens=64, batch=4)
     forget_hf.chunk_loss(model, chunks=8)
-    plan = forget.plan(model, budget="40%", input_ids=ids, labels=labels)
-    assert plan.measured_peak_bytes <= plan.budget_bytes
-    # Without the chunked head, the logits and their gradient alone pass that budget.
-    assert 2 * ids.numel() * VOCAB * 4 > plan.budget_bytes
+    with pytest.raises(forget.BudgetInfeasibleError) as error:
+        forget.plan(model, budget=1024, input_ids=ids, labels=labels)
+    least = error.value.min_feasible_bytes  # a budget at which planning works
+    plan = forget.plan(model, budget=least, input_ids=ids, labels=labels)
+    assert plan.measured_peak_bytes <= plan.budget_bytes == least
+    # Below the logits: without the chunked head, they alone would pass that budget.
+    assert ids.numel() * VOCAB * 4 > least
+    # The prediction counts the chunked head: the plain step with it, as measured.
+    plain = forget.measure(lambda: model(input_ids=ids, labels=labels).loss.backward())
+    assert plan.plain_ledger_peak_bytes == plain.peak_bytes
 
 
 def test_a_budget_only_the_logits_forbid_names_the_head_and_chunk_loss():
@@ -390,3 +396,27 @@ def test_the_default_count_bounds_a_slice_by_the_hidden_states_and_min_rows():
     assert default_chunks(4 * MIN_ROWS, 64, 64_000, 4) == 4
     assert default_chunks(MIN_ROWS // 2, 64, 64_000, 4) == 1
     assert default_chunks(1 << 20, 4096, 4096, 2) == 2  # bf16 hidden states, float logits
+
+
+def test_a_plan_raises_a_default_chunk_count_only_as_far_as_the_budget_needs():
+    # NOTE [chunks by the budget]
+    model = _llama().train()
+    ids, labels = _batch(tokens=64, batch=4)
+    handle = forget_hf.chunk_loss(model, chunks=32)
+    with pytest.raises(forget.BudgetInfeasibleError) as error:
+        forget.plan(model, budget=1024, input_ids=ids, labels=labels)
+    at_32 = error.value.min_feasible_bytes  # feasible with 32 slices of 8 tokens
+    handle.chunks = None  # the default count: 4 slices of 64 tokens
+    plan = forget.plan(model, budget=at_32, input_ids=ids, labels=labels)
+    assert plan.measured_peak_bytes <= at_32
+    assert handle.chunks is not None and 4 < handle.chunks <= 32  # pinned, raised
+    assert handle.last_chunks == handle.chunks
+    # A count the user gave is kept, and a budget nothing fits leaves the default.
+    handle.chunks = None
+    with pytest.raises(forget.BudgetInfeasibleError):
+        forget.plan(model, budget=1024, input_ids=ids, labels=labels)
+    assert handle.chunks is None
+    handle.chunks = 4
+    with pytest.raises(forget.BudgetInfeasibleError):
+        forget.plan(model, budget=at_32, input_ids=ids, labels=labels)
+    assert handle.chunks == 4

@@ -125,8 +125,11 @@ class ChunkedLoss:
 
     Attributes:
         model: the ``PreTrainedModel`` it hooks.
-        chunks: the chunk count, or ``None`` for `default_chunks` at each call.
-        last_chunks: the count the latest call used (``None`` before any).
+        chunks: the chunk count, or ``None`` for `default_chunks` at each call;
+            `forget.plan` may pin a larger one where the budget needs it (NOTE
+            [chunks by the budget]).
+        last_chunks: the count the latest call used (``None`` before any), and
+        last_tokens: the tokens it cut (0 before any).
     """
 
     def __init__(self, model: Any, chunks: int | None) -> None:
@@ -140,6 +143,7 @@ class ChunkedLoss:
         self.model: Any = model  # a transformers PreTrainedModel
         self.chunks = chunks
         self.last_chunks: int | None = None
+        self.last_tokens = 0
         self._checked = False
         self._hidden: list[torch.Tensor | None] = []
         self._signature = inspect.signature(type(model).forward)
@@ -256,7 +260,7 @@ class ChunkedLoss:
         if chunks is None:
             vocab = self.model.get_output_embeddings().weight.shape[0]
             chunks = default_chunks(flat.shape[0], flat.shape[1], vocab, flat.element_size())
-        self.last_chunks = chunks
+        self.last_chunks, self.last_tokens = chunks, flat.shape[0]
         # The weight at the partial's top level: the engine's fast path finds a region's
         # parameters among a partial's arguments (NOTE [fast path]), not deeper.
         loss_of = functools.partial(_summed_loss, *head, ignore_index)

@@ -67,7 +67,7 @@ from ...errors import BudgetInfeasibleError
 from ...memory import budget_bytes as read_budget
 from ...memory import frozen_heap
 from ...policies import Policy
-from ...regions import CandidateSpec, head_hint
+from ...regions import CHUNKED, CandidateSpec, head_hint
 from .._clock import WALL_CLOCK, Clock
 from .._guard import guarded_peak
 from .._targets import (
@@ -262,18 +262,20 @@ def plan(
                 f"forget: a module tree is planned by the exact tree solver "
                 f"(algorithm='optimal'), got algorithm={algorithm!r}"
             )
+        plan_it = functools.partial(
+            plan_tree,
+            model_or_blocks,
+            sample_inputs,
+            kwargs,
+            budget=budget,
+            loss_fn=loss_fn,
+            candidates=candidates,
+            options=options,
+            repeats=repeats,
+            samples=samples,
+        )
         try:
-            return plan_tree(
-                model_or_blocks,
-                sample_inputs,
-                kwargs,
-                budget=budget,
-                loss_fn=loss_fn,
-                candidates=candidates,
-                options=options,
-                repeats=repeats,
-                samples=samples,
-            )
+            return _with_head_chunks(model_or_blocks, plan_it)
         except BudgetInfeasibleError as exc:  # NOTE [the head's floor]
             gap = exc.min_feasible_bytes - exc.budget_bytes
             hint = head_hint(model_or_blocks, [kwargs, *(samples or ())], gap)
@@ -309,6 +311,52 @@ def plan(
         split=split,
     )
     return planner.plan(budget, algorithm=algorithm)
+
+
+# Times a chunked head's count is doubled at most (NOTE [chunks by the budget]).
+_MORE_CHUNKS = 3
+# Tokens a slice of a chunked head keeps at least, when the planner raises the count.
+_MIN_SLICE_TOKENS = 8
+
+
+def _with_head_chunks(model: nn.Module, plan_it: Callable[[], TreePlan]) -> TreePlan:
+    """``plan_it()``, raising a chunked head's count where no plan fits.
+
+    NOTE [chunks by the budget]: a head chunked at the default count
+    (`chunk_loss` without ``chunks=``) is the planner's to raise: more slices
+    hold less of the logits at once, for more calls of the head. So where no
+    plan fits the budget, `plan` plans again at twice the count, up to
+    `_MORE_CHUNKS` times while the least feasible budget falls, and pins on the
+    handle the count whose plan fits; only as many slices as the budget needs.
+    A count the user gave is kept, and a plan that cannot fit leaves the
+    handle as it was.
+    """
+    head = model.__dict__.get(CHUNKED)
+    if head is None or head.chunks is not None:
+        return plan_it()
+    try:
+        return plan_it()
+    except BudgetInfeasibleError as exc:
+        error = exc
+    try:
+        for _ in range(_MORE_CHUNKS):
+            count, tokens = head.last_chunks, head.last_tokens
+            if count is None or 2 * count * _MIN_SLICE_TOKENS > tokens:
+                break
+            head.chunks = 2 * count
+            try:
+                fitted = plan_it()
+            except BudgetInfeasibleError as exc:
+                if exc.min_feasible_bytes >= error.min_feasible_bytes:
+                    break  # more slices lower it no more
+                error = exc
+                continue
+            head = None  # the count that fits stays pinned
+            return fitted
+        raise error
+    finally:
+        if head is not None:
+            head.chunks = None
 
 
 def _is_tree(model: object) -> bool:
