@@ -17,6 +17,12 @@ the soft-cap the config names), and raises where they differ rather than
 compute another loss. A custom ``loss_function`` is refused at once: only
 transformers' own causal loss is known.
 
+NOTE [no cache in a training step]: a training call with ``labels`` and no
+``use_cache`` runs with ``use_cache=False``, as transformers' own checkpointing
+runs it: the key/value cache holds every layer's keys and values to the end of
+the step, memory no training step reads, and with the logits gone it would be
+the next floor. A ``use_cache`` the call gives is kept.
+
 NOTE [default chunks]: a slice's float logits are bounded by the hidden states'
 bytes, so that the head's re-run in backward weighs about as much as one more
 layer's kept input, and a slice keeps at least `MIN_ROWS` tokens, below which
@@ -147,6 +153,7 @@ class ChunkedLoss:
         self._checked = False
         self._hidden: list[torch.Tensor | None] = []
         self._signature = inspect.signature(type(model).forward)
+        self._takes_cache = "use_cache" in self._signature.parameters
         base = getattr(model, model.base_model_prefix)
         self._hook = base.register_forward_hook(self._caught)
         model.__dict__["forward"] = _HeadForward(model, self)
@@ -204,6 +211,8 @@ class ChunkedLoss:
         loss_kwargs = {k: extra.pop(k) for k in _LOSS_KWARGS if k in extra}
         given["labels"] = None
         given["logits_to_keep"] = 1
+        if self.model.training and given.get("use_cache") is None and self._takes_cache:
+            given["use_cache"] = False  # NOTE [no cache in a training step]
         self._hidden.append(None)
         try:
             output = forward(*bound.args[1:], **bound.kwargs)
