@@ -253,8 +253,9 @@ def run_model(kind: str, args: argparse.Namespace) -> None:
 
 
 def head_cost(base: Any, ids: torch.Tensor, args: argparse.Namespace) -> None:
-    """The head and its loss alone, plain and chunked, in forwards of the head."""
-    from forget.integrations._transformers_head import default_chunks
+    """The head and its loss alone: plain, chunk_loss's and `forget.chunked`'s, in
+    forwards of the head."""
+    from forget.integrations._transformers_head import _HeadLoss, default_chunks
 
     with torch.no_grad():
         hidden0 = getattr(base, base.base_model_prefix)(input_ids=ids).last_hidden_state
@@ -269,29 +270,32 @@ def head_cost(base: Any, ids: torch.Tensor, args: argparse.Namespace) -> None:
     def plain() -> None:
         nll(flat0.detach().requires_grad_(), labels).backward()
 
-    def chunked() -> None:
+    def head_loss() -> None:
+        h = flat0.detach().requires_grad_()
+        _HeadLoss.apply(h, weight, None, None, labels, chunks, -100).backward()
+
+    def recomputed() -> None:
         forget.chunked(nll, flat0.detach().requires_grad_(), labels, chunks=chunks).backward()
 
     def forward() -> None:
         with torch.no_grad():
             nll(flat0, labels)
 
-    extra = []
+    calls = {"plain": plain, "chunk_loss": head_loss, "chunked": recomputed, "forward": forward}
+    extra: dict[str, list[float]] = {"chunk_loss": [], "chunked": []}
     for _ in range(args.runs):
-        times = time_calls(
-            {"plain": plain, "chunked": chunked, "forward": forward},
-            args.rounds,
-            prepare=lambda _: setattr(weight, "grad", None),
+        times = time_calls(calls, args.rounds, prepare=lambda _: setattr(weight, "grad", None))
+        for key, values in extra.items():
+            per_round = [
+                (c - p) / f
+                for c, p, f in zip(times[key], times["plain"], times["forward"], strict=True)
+            ]
+            values.append(statistics.median(per_round))
+    for key, values in extra.items():
+        print(
+            f"\nThe head's own cost, {key} ({chunks} chunks): its extra time over the plain "
+            f"head, in forwards of the head, each run: {', '.join(f'{e:.2f}' for e in values)}"
         )
-        per_round = [
-            (c - p) / f
-            for c, p, f in zip(times["chunked"], times["plain"], times["forward"], strict=True)
-        ]
-        extra.append(statistics.median(per_round))
-    print(
-        f"\nThe head's own cost ({chunks} chunks): extra time of the chunked head over the "
-        f"plain head, in forwards of the head, each run: {', '.join(f'{e:.2f}' for e in extra)}"
-    )
 
 
 def cap_run(base: nn.Module, plain: int, args: argparse.Namespace) -> None:

@@ -278,9 +278,11 @@ def test_a_plan_counts_the_chunked_head_and_fits_below_the_logits():
     assert plan.measured_peak_bytes <= plan.budget_bytes == least
     # Below the logits: without the chunked head, they alone would pass that budget.
     assert ids.numel() * VOCAB * 4 > least
-    # The prediction counts the chunked head: the plain step with it, as measured.
+    # The prediction counts the chunked head: the plain step with it, as measured, or a
+    # little more (the fake run's count is an upper bound).
+    model.zero_grad(set_to_none=True)
     plain = forget.measure(lambda: model(input_ids=ids, labels=labels).loss.backward())
-    assert plan.plain_ledger_peak_bytes == plain.peak_bytes
+    assert plain.peak_bytes <= plan.plain_ledger_peak_bytes <= 1.15 * plain.peak_bytes
 
 
 def test_a_budget_only_the_logits_forbid_names_the_head_and_chunk_loss():
@@ -420,3 +422,13 @@ def test_a_plan_raises_a_default_chunk_count_only_as_far_as_the_budget_needs():
     with pytest.raises(forget.BudgetInfeasibleError):
         forget.plan(model, budget=at_32, input_ids=ids, labels=labels)
     assert handle.chunks == 4
+
+
+def test_a_training_call_with_labels_builds_no_cache_unless_asked():
+    # NOTE [no cache in a training step]
+    model = _llama().train()
+    ids, labels = _batch()
+    forget_hf.chunk_loss(model)
+    assert model(input_ids=ids, labels=labels).past_key_values is None
+    assert model(input_ids=ids, labels=labels, use_cache=True).past_key_values is not None
+    assert model.eval()(input_ids=ids, labels=labels).past_key_values is not None

@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine import chunked
 from ..regions import CHUNKED as _ATTR
 
 __all__ = ["ChunkedLoss", "chunk_loss", "chunked_loss_of", "default_chunks"]
@@ -270,10 +269,7 @@ class ChunkedLoss:
             vocab = self.model.get_output_embeddings().weight.shape[0]
             chunks = default_chunks(flat.shape[0], flat.shape[1], vocab, flat.element_size())
         self.last_chunks, self.last_tokens = chunks, flat.shape[0]
-        # The weight at the partial's top level: the engine's fast path finds a region's
-        # parameters among a partial's arguments (NOTE [fast path]), not deeper.
-        loss_of = functools.partial(_summed_loss, *head, ignore_index)
-        summed = chunked(loss_of, flat, targets, chunks=chunks)
+        summed = _HeadLoss.apply(flat, *head, targets, chunks, ignore_index)
         count = loss_kwargs.get("num_items_in_batch")
         if count is None:
             count = (targets != ignore_index).sum()
@@ -334,6 +330,85 @@ def _logits(
     if softcap is not None:  # Gemma's, as its forward does it
         logits = torch.tanh(logits / softcap) * softcap
     return logits
+
+
+class _HeadLoss(torch.autograd.Function):
+    """The summed cross-entropy of a head's logits, slice by slice, its gradients made
+    in the forward (NOTE [gradients in the forward])."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        softcap: float | None,
+        targets: torch.Tensor,
+        chunks: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = (
+            torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+        )
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        parts = max(1, min(chunks, hidden.shape[0]))
+        for h, y, into in zip(
+            hidden.tensor_split(parts),
+            targets.tensor_split(parts),
+            grad_h.tensor_split(parts) if grad_h is not None else [None] * parts,
+            strict=True,
+        ):
+            raw = F.linear(h, weight, bias)
+            capped = None
+            if softcap is not None:  # Gemma's, as its forward does it
+                capped = torch.tanh(raw / softcap)
+                raw = capped * softcap
+            logits = raw.float()
+            del raw
+            valid = y != ignore_index
+            safe = torch.where(valid, y, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[:, None]).squeeze(1)
+            total += torch.where(valid, lse - picked, 0.0).sum()
+            # d(summed loss)/d(logits): softmax less the one-hot target, on kept rows.
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad[torch.arange(len(safe), device=grad.device), safe] -= 1.0
+            grad.mul_(valid[:, None])
+            if capped is not None:  # through the soft-cap: 1 - tanh^2
+                grad.mul_(1.0 - capped.float().square())
+            del capped
+            grad_in = grad.to(weight.dtype)
+            if into is not None:  # a slice along the rows: contiguous
+                torch.mm(grad_in, weight, out=into)
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h.float())
+            if grad_b is not None:
+                grad_b.add_(grad.sum(0))
+            del grad, grad_in
+        ctx.save_for_backward(
+            *(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b))
+        )
+        ctx.weight_dtype = weight.dtype
+        ctx.has = (grad_h is not None, grad_w is not None, grad_b is not None)
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        saved = ctx.saved_tensors
+        grad_h, grad_w, grad_b = (t if has else None for t, has in zip(saved, ctx.has, strict=True))
+        scale = grad_out.to(torch.float32)
+        if grad_h is not None:
+            grad_h = grad_h.mul_(scale.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
+        if grad_b is not None:
+            grad_b = grad_b.mul_(scale).to(ctx.weight_dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _summed_loss(
