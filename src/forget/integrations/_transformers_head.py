@@ -3,12 +3,21 @@
 NOTE [the head in chunks]: every layer forgotten, a language model's step still
 holds its logits (tokens x vocabulary, upcast to float) and their gradient.
 `chunk_loss` computes transformers' ``ForCausalLMLoss`` (the shift,
-``ignore_index``, ``num_items_in_batch``, the upcast) through `forget.chunked`
-over the tokens, so the logits never exist whole. It wraps the model's forward
-on the instance, so that a plan or cap put on later sees the head inside the
-step: a call with ``labels`` runs the model with ``labels=None`` and
+``ignore_index``, ``num_items_in_batch``, the upcast) slice by slice over the
+tokens, so the logits never exist whole. It wraps the model's forward on the
+instance, so that a plan or cap put on later sees the head inside the step: a
+call with ``labels`` runs the model with ``labels=None`` and
 ``logits_to_keep=1``, catches the base model's last hidden states with a hook,
-and returns the chunked loss with ``logits=None``.
+and returns the loss with ``logits=None``.
+
+NOTE [gradients in the forward]: a loss is the last thing a step computes, and
+the first its backward differentiates; so each slice's gradients (of the hidden
+states, the head's weight and bias) are made in the forward, while its logits
+exist, and only they are kept: a scalar's backward then scales them. Forgetting
+the slices instead (`forget.chunked`) would compute each slice's logits twice,
+and the head's matmul is the largest of such a step. What it gives up: a second
+derivative of the loss (``create_graph``), which no language model's training
+asks for.
 
 NOTE [the head checked]: what a model does between its base model and its loss
 is its own code, so the first call compares the model's logits of the kept
@@ -24,8 +33,8 @@ the step, memory no training step reads, and with the logits gone it would be
 the next floor. A ``use_cache`` the call gives is kept.
 
 NOTE [default chunks]: a slice's float logits are bounded by the hidden states'
-bytes, so that the head's re-run in backward weighs about as much as one more
-layer's kept input, and a slice keeps at least `MIN_ROWS` tokens, below which
+bytes, so that one slice's logits and their gradient weigh about as much as
+one more layer's kept input, and a slice keeps at least `MIN_ROWS` tokens, below which
 the head's matmul stops paying for its calls (the figures that chose it:
 benchmarks/measured.md, "The head in chunks").
 """
@@ -56,10 +65,11 @@ def chunk_loss(model: Any, chunks: int | None = None) -> ChunkedLoss:
     """Compute a causal LM's loss chunk by chunk, so its logits never exist whole.
 
     With ``labels``, ``model(...)`` computes its loss from the last hidden states
-    through `forget.chunked` over the tokens, with transformers' semantics (the
-    shift, ``ignore_index=-100``, ``num_items_in_batch``, the upcast to float),
+    slice by slice over the tokens, with transformers' semantics (the shift,
+    ``ignore_index=-100``, ``num_items_in_batch``, the upcast to float), each
+    slice's gradients made as its logits are (NOTE [gradients in the forward]),
     and returns ``logits=None``: the memory of the logits and their gradient
-    falls to one chunk's, for one more forward of the head. Without ``labels``
+    falls to one slice's, for about the plain head's time. Without ``labels``
     the model runs as before, logits included. ``state_dict`` keys do not change.
 
     Args:
@@ -409,19 +419,6 @@ class _HeadLoss(torch.autograd.Function):
         if grad_b is not None:
             grad_b = grad_b.mul_(scale).to(ctx.weight_dtype)
         return grad_h, grad_w, grad_b, None, None, None, None
-
-
-def _summed_loss(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    softcap: float | None,
-    ignore_index: int,
-    h: torch.Tensor,
-    targets: torch.Tensor,
-) -> torch.Tensor:
-    """One slice's summed cross-entropy, on logits upcast to float as transformers does."""
-    logits = _logits(weight, bias, softcap, h).float()
-    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
 
 def _check_chunks(chunks: Any) -> None:
