@@ -67,7 +67,9 @@ def test_copies_share_tensors_and_modules_and_take_what_cannot_be_copied():
     assert copied.items[0] is log.items[0] and copied.layer is linear
     lock = threading.Lock()
     assert copy_structure(lock) is lock  # cannot be copied: taken as it is
-    assert may_change(log) and may_change(lock)
+    assert may_change(log) and may_change([1]) and may_change({})
+    # no state of its own (a lock's is not Python's; a sentinel has none): as itself
+    assert not may_change(lock) and not may_change(object())
     assert not any(map(may_change, (None, 3, "x", torch.float32, linear, print, _Log)))
 
 

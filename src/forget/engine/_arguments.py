@@ -10,6 +10,7 @@ pytree.
 from __future__ import annotations
 
 import copy
+import enum
 from typing import Any, NamedTuple
 
 import torch
@@ -98,10 +99,16 @@ _IMMUTABLE = (
 
 def may_change(leaf: Any) -> bool:
     """Whether ``leaf``, an argument that is no tensor, is an object a function may
-    change in place (NOTE [arguments that change])."""
-    return not isinstance(leaf, (*_IMMUTABLE, torch.Tensor, torch.nn.Module, type)) and not (
-        callable(leaf)
-    )
+    change in place (NOTE [arguments that change]). An object with no state of its
+    own (a sentinel: ``object()``, an instance with nothing in it, an enum member) is
+    not: it is passed as itself, so that ``is`` finds it in a re-run too."""
+    if isinstance(leaf, (*_IMMUTABLE, torch.Tensor, torch.nn.Module, type, enum.Enum)):
+        return False
+    if callable(leaf):
+        return False
+    if isinstance(leaf, dict | list | set | bytearray):
+        return True
+    return bool(getattr(leaf, "__dict__", None)) or bool(getattr(type(leaf), "__slots__", ()))
 
 
 def changing(flat: list[Any], spec: Any) -> list[int]:
