@@ -712,3 +712,47 @@ def test_the_allocator_peak_is_read_as_the_backward_ends(monkeypatch: pytest.Mon
     assert step.backward_peak_bytes == step.estimated_peak_bytes + 1000
     net(_x(16))  # the next step learns from the reading at the backward's end
     assert handle._extra_bytes == 1000
+
+
+class _ChunkedHeadNet(nn.Module):
+    """Blocks, then a wide head and its loss run through `forget.chunked` by the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)
+        )
+        self.head = nn.Linear(16, 2000)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+
+        def summed(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.head(h), t, reduction="sum")
+
+        return forget.chunked(summed, x, y, chunks=8) / y.numel()
+
+
+@pytest.mark.parametrize("share", [0.95, 0.85])
+def test_a_chunked_head_the_model_runs_itself_is_reserved_and_held(share: float) -> None:
+    # NOTE [regions heard]: the head's slices are regions the cap does not run; it
+    # hears of them and reserves their backward where backward meets them first.
+    model = _ChunkedHeadNet()
+    plain = copy.deepcopy(model)
+
+    def step(net: nn.Module, rows: int) -> None:
+        g = torch.Generator().manual_seed(rows)
+        x, y = torch.randn(rows, 16, generator=g), torch.randint(0, 2000, (rows,), generator=g)
+        net.zero_grad(set_to_none=True)
+        net(x, y).backward()
+
+    peak = forget.measure(step, plain, 256, probe="profiler").peak_bytes  # slices already
+    handle = forget.cap(model, int(share * peak))
+    for rows in (256, 128, 256, 192):
+        got = forget.measure(step, model, rows, probe="profiler").peak_bytes
+        assert got <= handle.budget_bytes, (rows, got, handle.budget_bytes)
+        step(plain, rows)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    handle.remove()
