@@ -18,24 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import forget
-
-
-class Counted:
-    """A function that counts its calls and records in_recomputing() at each."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.calls = 0
-        self.flags: list[bool] = []
-
-    def __call__(self, *xs):
-        self.calls += 1
-        self.flags.append(forget.in_recomputing())
-        return self.fn(*xs)
-
-
-def _grads(*ts):
-    return [None if t.grad is None else t.grad.clone() for t in ts]
+from test_core import Counted, _grads  # the engine tests' call counter, gradients
 
 
 def _leaf(seed, *shape):
