@@ -41,7 +41,6 @@ benchmarks/measured.md, "The head in chunks").
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -52,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..regions import CHUNKED as _ATTR
+from ..regions import HEAD, unwrap_forward, wrap_forward
 
 __all__ = ["ChunkedLoss", "chunk_loss", "chunked_loss_of", "default_chunks"]
 
@@ -148,7 +148,7 @@ class ChunkedLoss:
     """
 
     def __init__(self, model: Any, chunks: int | None) -> None:
-        if "forward" in model.__dict__ and not isinstance(model.__dict__["forward"], _HeadForward):
+        if "forward" in model.__dict__:
             raise ValueError(
                 f"forget: {type(model).__name__}'s forward is wrapped already (by a forget "
                 "plan or cap, or your own instance forward); a plan or cap must see the "
@@ -165,7 +165,7 @@ class ChunkedLoss:
         self._takes_cache = "use_cache" in self._signature.parameters
         base = getattr(model, model.base_model_prefix)
         self._hook = base.register_forward_hook(self._caught)
-        model.__dict__["forward"] = _HeadForward(model, self)
+        wrap_forward(model, self._forward, HEAD, "chunked loss")
         model.__dict__[_ATTR] = self
 
     def remove(self) -> None:
@@ -175,18 +175,13 @@ class ChunkedLoss:
             ValueError: a plan or cap wrapped the model's forward after `chunk_loss`;
                 remove it first.
         """
-        wrapper = self.model.__dict__.get("forward")
-        if not isinstance(wrapper, _HeadForward) or wrapper.handle is not self:
-            if self.model.__dict__.get(_ATTR) is not self:
-                return  # removed already
+        if self.model.__dict__.get(_ATTR) is not self:
+            return  # removed already
+        if not unwrap_forward(self.model, HEAD):
             raise ValueError(
                 f"forget: {type(self.model).__name__}'s forward was wrapped after "
                 "chunk_loss (by a plan or cap); remove that first, then the chunked loss."
             )
-        if wrapper.own is None:
-            del self.model.__dict__["forward"]
-        else:
-            self.model.__dict__["forward"] = wrapper.own
         self._hook.remove()
         del self.model.__dict__[_ATTR]
 
@@ -312,25 +307,6 @@ class ChunkedLoss:
                 "yourself (docs/head.md)."
             )
         self._checked = True
-
-
-class _HeadForward:
-    """The model's forward with the loss chunked (`ChunkedLoss`), set on the instance.
-
-    As a plan's regions, it changes no class: it holds the forward found on the
-    instance before (``own``, ``None`` for the class's) and ``__wrapped__`` keeps
-    ``inspect.signature`` of the forward what it was (Trainer reads it).
-    """
-
-    def __init__(self, model: nn.Module, handle: ChunkedLoss) -> None:
-        original = model.forward
-        functools.update_wrapper(self, original)
-        self.original = original
-        self.own = model.__dict__.get("forward")
-        self.handle = handle
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.handle._forward(self.original, args, kwargs)
 
 
 def _logits(

@@ -26,6 +26,7 @@ from ._forward import owner_of as owner_of
 from ._forward import unwrap_forward as unwrap_forward
 from ._forward import wrap_forward as wrap_forward
 from ._head import CHUNKED as CHUNKED
+from ._head import HEAD as HEAD
 from ._head import head_hint as head_hint
 from ._head import logits_head as logits_head
 from ._options import DEFAULT_OPTIONS as DEFAULT_OPTIONS
@@ -33,6 +34,7 @@ from ._options import DEFAULT_OPTIONS as DEFAULT_OPTIONS
 __all__ = [
     "CHUNKED",
     "DEFAULT_OPTIONS",
+    "HEAD",
     "ROOT",
     "CandidateSpec",
     "RegionForward",

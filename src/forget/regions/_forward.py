@@ -12,7 +12,8 @@ was there (the class's method, or an instance forward someone else had set).
 The wrapper holds the previous forward as a bound method, so ``copy.deepcopy``
 of a wrapped model gives regions running the copy's modules, not the
 original's; ``__wrapped__`` keeps ``inspect.signature`` of the module's forward
-what it was. One wrapper serves plan and cap alike; ``owner`` says whose it is.
+what it was. One wrapper serves a plan, a cap and `chunk_loss` alike; ``owner``
+says whose it is.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class RegionForward:
     Attributes:
         original: the forward found on the module before, bound to it.
         own: the instance forward set before (None: the class's method).
-        owner: whose wrapper it is (``"plan"``, ``"cap"``).
+        owner: whose wrapper it is (``"plan"``, ``"cap"``, ``"chunk_loss"``).
         label: what it runs, for its ``repr``.
     """
 
@@ -75,6 +76,7 @@ def unwrap_forward(module: nn.Module, owner: str) -> bool:
 
 
 def owner_of(module: nn.Module) -> str | None:
-    """Whose `RegionForward` runs ``module``'s forward (``"plan"``, ``"cap"``), or None."""
+    """Whose `RegionForward` runs ``module``'s forward (``"plan"``, ``"cap"``,
+    ``"chunk_loss"``), or None."""
     wrapper = module.__dict__.get("forward")
     return wrapper.owner if isinstance(wrapper, RegionForward) else None

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CHUNKED", "head_hint", "logits_head"]
+__all__ = ["CHUNKED", "HEAD", "head_hint", "logits_head"]
 
-# The attribute `chunk_loss` sets on a model whose head it chunks.
+# The attribute `chunk_loss` sets on a model whose head it chunks, and the owner of the
+# forward it wraps (`RegionForward.owner`: no plan's, so a plan or cap may go on top).
 CHUNKED = "_forget_chunked_loss"
+HEAD = "chunk_loss"
 
 
 def logits_head(model: nn.Module) -> tuple[str, nn.Linear] | None:

@@ -55,7 +55,7 @@ from ..engine import (
 from ..errors import ForgetError
 from ..memory import AllocatorReading
 from ..policies import Policy
-from ..regions import find_candidates, owner_of, unwrap_forward, wrap_forward
+from ..regions import HEAD, find_candidates, owner_of, unwrap_forward, wrap_forward
 from ._orders import EVICTIONS
 from ._outputs import on_backward_end, tensors_in
 from ._reads import READ_ALLOCATOR, Reads
@@ -601,7 +601,7 @@ def _refuse_wrapped(model: nn.Module) -> None:
                 "handle.remove() on the first (or handle.set_budget to change it) before "
                 "capping again."
             )
-        if owner is not None or getattr(module, "blocks_runner", None) is not None:
+        if owner not in (None, HEAD) or getattr(module, "blocks_runner", None) is not None:
             raise ForgetError(
                 f"forget: {where} runs under a forget plan, and a cap decides what the plan "
                 "fixed; remove the plan first (plan.remove(model)), then cap the model."
