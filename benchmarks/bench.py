@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from forget.cli._bench import main
+from forget._cli._bench import main
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

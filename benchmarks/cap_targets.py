@@ -58,8 +58,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import forget
-from forget.planning import time_calls
-from forget.runtime._cap import _cap_with
+from forget._planning import time_calls
+from forget._runtime._cap import _cap_with
 
 tf: Any = transformers
 

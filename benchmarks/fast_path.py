@@ -1,10 +1,10 @@
 """forget's fast path against torch's checkpoint and forget's exact path, side by side.
 
-Each reference model of `forget.cli._models` (default size) runs training steps with
+Each reference model of `forget._cli._models` (default size) runs training steps with
 every block through ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``,
 through ``forget.checkpoint`` (its sites learned on the first call, then fast:
 NOTE [fast path]) and through ``forget.checkpoint`` under
-``forget.engine.fast_path(False)`` (every call exact); variants in shuffled order each
+``forget._engine.fast_path(False)`` (every call exact); variants in shuffled order each
 round, the median of the per-round ratios to torch printed. Figures go in
 benchmarks/measured.md.
 
@@ -25,8 +25,8 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 import forget
-from forget.cli._models import MODEL_NAMES, build_model
-from forget.engine import fast_path
+from forget._cli._models import MODEL_NAMES, build_model
+from forget._engine import fast_path
 
 
 def _torch(block: Callable[[Tensor], Tensor], h: Tensor) -> Tensor:

@@ -6,13 +6,13 @@ runs, from the checkout's source (``PYTHONPATH=src``, nothing installed):
 
 1. ``python3 -m pytest -m cuda -q`` on every test module that marks a test
    ``pytest.mark.cuda`` (five minutes at most);
-2. for each reference model (`forget.cli._models`) and for the launch-bound chain
-   of ``forget bench`` (`forget.cli._bench_launch`), one training step plain,
+2. for each reference model (`forget._cli._models`) and for the launch-bound chain
+   of ``forget bench`` (`forget._cli._bench_launch`), one training step plain,
    with ``torch.utils.checkpoint`` (non-reentrant) and with ``forget.checkpoint``,
    as ``forget bench`` runs them: the peak bytes the step allocates above what
    was live before it (``torch.cuda.max_memory_allocated`` after
    ``reset_peak_memory_stats``), the median step time over interleaved rounds
-   (`forget.planning.time_calls`) read from CUDA events around each step, and
+   (`forget._planning.time_calls`) read from CUDA events around each step, and
    whether the gradients equal plain's bit for bit;
 3. planning a step that does not fit (`plan_within_fraction`): a module
    tree whose plain step peaks at P, under a process memory fraction that
@@ -60,10 +60,10 @@ except ImportError as exc:  # a python3 without torch: say so, not a traceback
     raise SystemExit(2) from None
 
 import forget
-from forget.cli import _bench, _bench_launch, _common
-from forget.cli._common import mib
-from forget.cli._models import MODEL_NAMES, SIZES, build_model, model_settings
-from forget.planning import time_calls
+from forget._cli import _bench, _bench_launch, _common
+from forget._cli._common import mib
+from forget._cli._models import MODEL_NAMES, SIZES, build_model, model_settings
+from forget._planning import time_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS: tuple[str, ...] = ("plain", "torch_checkpoint", "forget")

@@ -22,7 +22,7 @@ probe="profiler")``), over the plain step's. Rows:
   ``forget.plan`` names, then planned at (it must fit).
 
 Times: every step above with a time is run side by side in ``--rounds``
-interleaved rounds (`forget.planning.time_calls`), each on its own copy of the
+interleaved rounds (`forget._planning.time_calls`), each on its own copy of the
 model; a row's figure is the median over rounds of its time over the torch
 combination's in the same round, and ``--runs`` such runs give its spread. The
 head's own cost: the head and its loss alone on the last hidden states, plain,
@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import forget
+from forget._planning import time_calls
 from forget.integrations import transformers as forget_hf
-from forget.planning import time_calls
 
 WIDTH, LAYERS, VOCAB = 256, 4, 16000
 

@@ -37,7 +37,7 @@ def _step(model_name: str, size: str, variant: str) -> None:
 
     import forget
     from forget import policies
-    from forget.cli._models import build_model
+    from forget._cli._models import build_model
 
     torch.set_num_threads(1)
     model = build_model(model_name, size, seed=0)

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from forget.engine._state import StateTracker
-from forget.planning import time_calls
+from forget._engine._state import StateTracker
+from forget._planning import time_calls
 
 OPS = 300  # small elementwise ops per call: the per-op cost dominates
 

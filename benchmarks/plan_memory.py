@@ -20,14 +20,14 @@ freed, is reused without a rise). The calls, per model:
   the allocator (``forget.measure(step, probe="profiler")``), of which the
   budgets' percentages are taken, so that a percentage is the same number of
   bytes in every row and for every planner;
-* ``least``: `forget.planning.TreePlanner`'s ``least()``, the least feasible
+* ``least``: `forget._planning.TreePlanner`'s ``least()``, the least feasible
   budget measured (a plan at 1 KiB stops at its first guarded forward and
   names a bound, not the least);
 * ``plan``: ``forget.plan(model, budget=B, **batch)`` with ``B`` in bytes; the
   returned `forget.TreePlan` is saved to a file;
 * ``step``: a fresh child loads that plan, applies it, resets the mark and
   runs one step;
-* with ``--parts``, ``parts``: `forget.planning.TreePlanner` built alone (the
+* with ``--parts``, ``parts``: `forget._planning.TreePlanner` built alone (the
   profile) and then its ``.plan(B)`` (the search), the mark reset between them.
 
 One row per model and budget: the budget, the plain step's rise, the plan's
@@ -264,7 +264,7 @@ def child(call: str, name: str, quick: bool, budget_bytes: int, path: str) -> di
         # bound, not the least (NOTE [planning within the budget]); the planner
         # measures the least where asked (NOTE [least on demand]).
         before = _reset()
-        from forget.planning import TreePlanner
+        from forget._planning import TreePlanner
 
         least = TreePlanner(model, (), batch).least()
         return {**_rise(before), "min_feasible_bytes": least}
@@ -284,7 +284,7 @@ def child(call: str, name: str, quick: bool, budget_bytes: int, path: str) -> di
         before = _reset()
         step()
         return _rise(before)
-    from forget.planning import TreePlanner
+    from forget._planning import TreePlanner
 
     before = _reset()
     start = time.perf_counter()

@@ -7,7 +7,7 @@ The models of benchmarks/tree_targets.py (its ``MODELS``), one torch thread;
 by name only, ``resnet18`` (`LARGER`): the same ResNet at a real model's size.
 Per model: the plain step's CPU time (`time.process_time`, the mean of
 ``--repeats`` steps after two warm-up steps), then per budget a fresh
-`forget.planning.TreePlanner` (what `forget.plan` runs, with the default
+`forget._planning.TreePlanner` (what `forget.plan` runs, with the default
 options, the heap frozen and the budget given to the profile as it gives them)
 planned for it, and its CPU time from construction to plan over 30 plain
 steps'. CPU time, not wall time: on a shared machine the wall clock
@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 import forget
-from forget.memory import frozen_heap
-from forget.planning import DEFAULT_OPTIONS, TreePlanner
+from forget._memory import frozen_heap
+from forget._planning import TreePlanner
+from forget.policies import DEFAULT_OPTIONS
 from tree_targets import MODELS
 
 

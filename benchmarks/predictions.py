@@ -4,7 +4,7 @@
 
 The models and batches of benchmarks/plan_memory.py (transformers configs, no
 downloads), one torch thread. Per model: the plain step's peak as the planner
-predicts it (`forget.planning.TreePlanner.plain_peak`, the plain step never
+predicts it (`forget._planning.TreePlanner.plain_peak`, the plain step never
 runs in planning) and as the allocator counts it (``forget.measure(...,
 probe="profiler")``, run here for the comparison); then the two assignments of
 least memory (NOTE [least on demand]: the frontier's first point and every
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import forget
-from forget.planning import TreePlanner
+from forget._planning import TreePlanner
 from plan_memory import MODEL_NAMES, build, warm_up
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import forget
-from forget.runtime._cap import _cap_with
+from forget._runtime._cap import _cap_with
 
 Batch = Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]
 

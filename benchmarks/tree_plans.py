@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import forget
-from forget.planning import FixedClock, TreePlanner
+from forget._planning import FixedClock, TreePlanner
 
 
 class _Block(nn.Module):

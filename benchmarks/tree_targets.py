@@ -10,9 +10,9 @@ three BasicLayers (widths 16 to 128) on 8 images of 128x128 (BatchNorm
 convolutions; transformers has no gradient checkpointing for it). Per model
 and budget, one row:
 
-* the plan: a fresh `forget.planning.TreePlanner` (what `forget.plan` runs,
+* the plan: a fresh `forget._planning.TreePlanner` (what `forget.plan` runs,
   with ``--options`` as its leaf options: by default forget's own,
-  `forget.planning.DEFAULT_OPTIONS`; ``none`` for keep and forget alone;
+  `forget.policies.DEFAULT_OPTIONS`; ``none`` for keep and forget alone;
   ``sel`` keeps the outputs of LINEAR, ATTENTION and DROPOUT ops, ``regen`` is
   `forget.policies.regenerate`, the two defaults under their old names)
   planned for that budget; its wall time, against 30 plain steps; its step's
@@ -24,7 +24,7 @@ and budget, one row:
   transformers' ``_set_gradient_checkpointing`` does; the fitting n >= 2 of
   least overhead) and every layer forgotten; ``no fit`` where none fits;
 * step-time overheads over plain, all timed side by side in one run
-  (`forget.planning.time_calls`: interleaved, shuffled rounds, each
+  (`forget._planning.time_calls`: interleaved, shuffled rounds, each
   assignment on its own copy of the model), each the median over rounds of
   its time over plain's in the same round, less one;
 * plan / best: the plan's overhead over the fastest fitting baseline's, and
@@ -54,7 +54,8 @@ from torch import nn
 
 import forget
 from forget import policies as P
-from forget.planning import DEFAULT_OPTIONS, TreePlanner, ratio_range, time_calls
+from forget._planning import TreePlanner, ratio_range, time_calls
+from forget.policies import DEFAULT_OPTIONS
 
 _Key = tuple[tuple[str, str], ...]  # an assignment's (module, choice) pairs, sorted
 
@@ -245,7 +246,7 @@ def _time_all(
 
 
 def spread(plan: Sequence[float], best: Sequence[float]) -> str:
-    """``forget.planning.ratio_range`` of the rounds as ``lo-hi``, or ``n/a``."""
+    """``forget._planning.ratio_range`` of the rounds as ``lo-hi``, or ``n/a``."""
     cuts = ratio_range(plan, best)
     return "n/a" if cuts is None else f"{cuts[0]:.2f}-{cuts[-1]:.2f}"
 
@@ -351,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--options",
         default="default",
         help=(
-            "default: forget.planning.DEFAULT_OPTIONS; none: keep and forget alone; or "
+            "default: forget.policies.DEFAULT_OPTIONS; none: keep and forget alone; or "
             f"comma-separated leaf options, of {', '.join(OPTIONS)}"
         ),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from forget.planning import FixedClock, WallClock
+from forget._planning import FixedClock, WallClock
 
 
 def fixed_wall_clock(monkeypatch: pytest.MonkeyPatch) -> FixedClock:

@@ -18,10 +18,10 @@ def pytest_configure(config: pytest.Config) -> None:
     side at load 5 (benchmarks/measured.md, "The suite at one torch thread").
     Both sides of every differential test run alike, so nothing is left out. A
     thread count given in the environment is kept. The profiler's log lines go
-    as the command line sends them (NOTE [kineto's log] in `forget.cli`).
+    as the command line sends them (NOTE [kineto's log] in `forget._cli`).
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # NOTE [kineto's log] in forget.cli
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # NOTE [kineto's log] in forget._cli
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -80,7 +80,7 @@ def fixed_clock(request, monkeypatch):
     the wall clock.
     """
     from _clocks import fixed_wall_clock
-    from forget.planning import FixedClock
+    from forget._planning import FixedClock
 
     if "wall_clock" in request.fixturenames:
         return FixedClock()
@@ -90,6 +90,6 @@ def fixed_clock(request, monkeypatch):
 @pytest.fixture
 def wall_clock():
     """The wall clock, unpatched, in a module that uses `fixed_clock`."""
-    from forget.planning import WallClock
+    from forget._planning import WallClock
 
     return WallClock()

@@ -15,9 +15,9 @@ import torch
 import torch.utils.checkpoint
 
 import forget
-from forget import cli
-from forget.cli import _bench, _bench_launch, _common
-from forget.cli._models import MODEL_NAMES, build_model
+from forget import _cli as cli
+from forget._cli import _bench, _bench_launch, _common
+from forget._cli._models import MODEL_NAMES, build_model
 
 VARIANTS = ["plain", "torch_checkpoint", "forget"]
 TINY = ["--size", "tiny", "--repeats", "1", "--quiet"]
@@ -46,7 +46,7 @@ def test_json_schema_is_exact(tiny_run):
 
 
 def test_step_time_is_the_median_of_the_interleaved_rounds(monkeypatch, capsys):
-    # The bench times through forget.planning.time_calls: every variant once per
+    # The bench times through forget._planning.time_calls: every variant once per
     # round, --repeats rounds; step_s is each variant's median and the ratios are
     # variant / plain (and forget / torch_checkpoint), as the note says.
     rounds = {"plain": [3.0, 1.0, 2.0], "torch_checkpoint": [2.0, 6.0, 4.0]}
@@ -313,8 +313,8 @@ def test_cli_routes_bench(capsys):
 
 
 def test_selective_rows_at_another_shape(capsys):
-    # python -m forget.cli._bench_selective --width ...: the rows for a shape of one's own.
-    from forget.cli import _bench_selective
+    # python -m forget._cli._bench_selective --width ...: the rows for a shape of one's own.
+    from forget._cli import _bench_selective
 
     assert _bench_selective.main(["--size", "tiny", "--repeats", "1", "--width", "32"]) == 0
     out = capsys.readouterr().out
@@ -328,8 +328,8 @@ def test_selective_rows_at_another_shape(capsys):
 def test_selective_default_shape_keeps_attention_tensors_on_the_heap():
     # At 32 MiB a T x T tensor is past glibc's heap ceiling: each allocation is a fresh
     # mapping whose page faults slow plain the most (the shape's comment in the module).
-    from forget.cli import _bench_selective
-    from forget.cli._models import model_settings
+    from forget._cli import _bench_selective
+    from forget._cli._models import model_settings
 
     shape = {**model_settings("tiny_gpt", "default"), **_bench_selective.OVERRIDES["default"]}
     scores = shape["batch_size"] * shape["heads"] * shape["context"] ** 2 * 4
@@ -407,7 +407,7 @@ class _CheckpointEveryBlock:
 
 
 def test_cap_rows_run_varying_shapes_beside_a_plan_and_checkpointing(monkeypatch):
-    from forget.cli import _bench_cap
+    from forget._cli import _bench_cap
 
     plan = _CheckpointEveryBlock()
     monkeypatch.setattr(_bench_cap, "time_calls", _fake_rounds)
@@ -449,7 +449,7 @@ def test_cap_rows_run_varying_shapes_beside_a_plan_and_checkpointing(monkeypatch
 def test_cap_rows_report_a_capped_step_unlike_plain_and_a_plan_that_cannot_fit(
     monkeypatch, tmp_path, capsys
 ):
-    from forget.cli import _bench_cap
+    from forget._cli import _bench_cap
 
     def no_plan(*args, budget, **kwargs):
         message = f"forget: the budget {budget:,} B is below it; no"

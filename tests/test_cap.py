@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 import forget
 from _cap_steps import _equal
-from forget.runtime import EVICTIONS
-from forget.runtime._cap import _cap_with
+from forget._runtime import EVICTIONS
+from forget._runtime._cap import _cap_with
 
 
 class Block(nn.Module):
@@ -268,7 +268,7 @@ def test_finer_regions_only_inside_a_one_of_a_kind_region() -> None:
 def counted_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Region costs from a counter, not the wall clock: the eviction order (DTR's
     cost / (bytes x staleness)) is then the same on any machine."""
-    from forget.runtime import _cap
+    from forget._runtime import _cap
 
     ticks = iter(range(10**9))
     monkeypatch.setattr(_cap, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
@@ -474,9 +474,9 @@ def test_bad_models() -> None:
 
 
 def test_plan_and_cap_run_modules_through_one_wrapper() -> None:
-    # NOTE [instance forward] in forget.regions: one wrapper, its owner named.
-    from forget.planning._tree.apply import unwrap, wrap
-    from forget.regions import RegionForward, owner_of
+    # NOTE [instance forward] in forget._regions: one wrapper, its owner named.
+    from forget._planning._tree.apply import unwrap, wrap
+    from forget._regions import RegionForward, owner_of
 
     net = _net()
     handle = forget.cap(net, "1MiB")
@@ -492,7 +492,7 @@ def test_plan_and_cap_run_modules_through_one_wrapper() -> None:
 
 
 def test_one_cap_per_model_and_none_over_a_plan() -> None:
-    from forget.planning._tree.apply import wrap
+    from forget._planning._tree.apply import wrap
 
     net = _net()
     handle = forget.cap(net, "1MiB")
@@ -560,7 +560,7 @@ def test_transformers_cap_goes_in_part_as_forget_cap_does() -> None:
     # forget.cap's own default, the selective keep (NOTE [the cap's defaults]).
     tf = pytest.importorskip("transformers")
     from forget.integrations import transformers as forget_hf
-    from forget.regions import DEFAULT_OPTIONS
+    from forget.policies import DEFAULT_OPTIONS
 
     plain = _tiny_gpt2(tf, positions=128)
     model = copy.deepcopy(plain)
@@ -641,7 +641,7 @@ def test_gradients_are_counted_as_backward_makes_them(monkeypatch: pytest.Monkey
     assert _equal(_state(plain)[0], _state(net)[0])
     handle.remove()
 
-    from forget.runtime import _steps
+    from forget._runtime import _steps
 
     def all_at_once(model, entries, new_grads, holders, outside):
         return sum(nbytes for _, nbytes in new_grads), [0] * len(entries)
@@ -666,7 +666,7 @@ class Tied(nn.Module):
 
 
 def test_gradients_come_with_the_region_that_owns_and_alone_uses_them() -> None:
-    from forget.runtime._grads import gradients_by_entry
+    from forget._runtime._grads import gradients_by_entry
 
     net = Tied()
     handle = forget.cap(net, 10**12, candidates=["a", "b", "head"])
@@ -687,7 +687,7 @@ def test_the_allocator_peak_is_read_as_the_backward_ends(monkeypatch: pytest.Mon
     # it is read when backward ends, before an optimizer makes its state. CUDA is
     # stood in for (the model's device and its counters): 1,000 B over the estimate
     # when backward ends, a GB after.
-    from forget.runtime import _steps
+    from forget._runtime import _steps
 
     real_init = _steps.Step.__init__
 

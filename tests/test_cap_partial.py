@@ -13,10 +13,10 @@ from torch import nn
 import forget
 from _cap_steps import _equal, _step
 from forget import policies
-from forget.engine import DroppableRegion
-from forget.regions import DEFAULT_OPTIONS
-from forget.runtime import EVICTIONS
-from forget.runtime._cap import _cap_with
+from forget._engine import DroppableRegion
+from forget._runtime import EVICTIONS
+from forget._runtime._cap import _cap_with
+from forget.policies import DEFAULT_OPTIONS
 
 SELECTIVE = DEFAULT_OPTIONS["selective"]
 
@@ -184,7 +184,7 @@ def test_bad_partials(partial, error, match):
 
 
 def test_a_region_that_keeps_too_much_runs_without_the_policy_from_then_on(monkeypatch):
-    from forget.runtime import _cap
+    from forget._runtime import _cap
 
     policies_seen: list[list[bool]] = []
 
@@ -218,7 +218,7 @@ def test_a_region_that_keeps_too_much_runs_without_the_policy_from_then_on(monke
 
 @pytest.mark.parametrize("eviction", sorted(EVICTIONS))
 def test_every_eviction_order_evicts_in_part_first_and_stays_exact(eviction, monkeypatch):
-    from forget.runtime import _steps
+    from forget._runtime import _steps
 
     # Per step, in order; the steps held here, so that none's id is another's.
     evictions: dict[_steps.Step, list[tuple[str, bool]]] = {}

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import forget
-from forget.engine import Region
-from forget.memory import AllocatorRecord, allocator_peak
-from forget.runtime._cap import _cap_with
+from forget._engine import Region
+from forget._memory import AllocatorRecord, allocator_peak
+from forget._runtime._cap import _cap_with
 
 
 class _Scratch(torch.autograd.Function):

@@ -15,7 +15,7 @@ from torch import nn
 
 import forget
 from _cap_steps import _step
-from forget.runtime import _cap
+from forget._runtime import _cap
 
 
 def _net() -> nn.Module:

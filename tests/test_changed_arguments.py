@@ -1,6 +1,6 @@
 """A region whose argument is an object it changes (a key/value cache): re-run on a copy.
 
-NOTE [arguments that change] (forget/engine/_arguments.py): a region keeps, for its
+NOTE [arguments that change] (forget/_engine/_arguments.py): a region keeps, for its
 re-runs, a copy of such an argument made before its forward, its tensors shared, and
 each re-run gets a copy of that: the caller's object is changed once, as by the plain
 step, the re-run computes what the forward did, and the object, which holds the
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import forget
-from forget.engine import Region, copy_structure, may_change
+from forget._engine import Region, copy_structure, may_change
 
 
 class _Log:

@@ -14,9 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
+from forget._regions import CHUNKED
 from forget.integrations import transformers as forget_hf
 from forget.integrations._transformers_head import MIN_ROWS, default_chunks
-from forget.regions import CHUNKED
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from forget import cli
+from forget import _cli as cli
 
 COMMANDS = ["demo", "bench", "plan", "profile"]
 
@@ -50,7 +50,7 @@ def test_python_dash_m_runs_the_same_cli():
 
 
 def test_the_command_line_keeps_kinetos_log_off_stderr():
-    # NOTE [kineto's log] in forget.cli: in a fresh process, without the variable set.
+    # NOTE [kineto's log] in forget._cli: in a fresh process, without the variable set.
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     argv = ["plan", "--model", "residual_mlp", "--size", "tiny", "--budgets", "50%"]
     argv += ["--repeats", "1", "--quiet"]

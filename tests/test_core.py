@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
 from forget import ForgetError, RecomputationMismatchError
-from forget.engine import ordinal
+from forget._engine import ordinal
 
 
 class Counted:
@@ -302,7 +302,7 @@ def test_global_rng_stream_is_unchanged_by_recomputation():
 
 def test_region_without_random_ops_keeps_no_rng_state():
     x = torch.randn(4, requires_grad=True)
-    from forget.engine import Region
+    from forget._engine import Region
 
     r = Region(lambda a: a.exp(), (x,), {})
     r.run_forward()
@@ -461,7 +461,7 @@ def test_re_run_watches_ops_only_where_the_forward_needed_it(monkeypatch, make, 
     # NOTE [plain re-run]: no policy, no region inside: the re-run needs no dispatch
     # mode (BatchNorm's statistics are put back around its forward). Gradients are the
     # plain run's either way.
-    from forget.engine import _region
+    from forget._engine import _region
 
     made: list[bool] = []
 

@@ -29,9 +29,9 @@ MODULES = _modules_with_examples()
 
 def test_examples_are_found():
     assert {
-        "forget.engine._forget",
-        "forget.nn",
-        "forget.planning._chain.planner",
+        "forget._engine._forget",
+        "forget._nn",
+        "forget._planning._chain.planner",
         "forget.schedules",
     } <= set(MODULES)
 

@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import forget
 from forget import ForgetError
-from forget.engine import fast_path
-from forget.engine._sites import SMALL_BUFFER_BYTES
+from forget._engine import fast_path
+from forget._engine._sites import SMALL_BUFFER_BYTES
 
 
 class _Seen(nn.Module):

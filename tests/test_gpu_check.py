@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import forget
-from forget.cli import _bench_launch
+from forget._cli import _bench_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

@@ -33,8 +33,8 @@ import torch
 import forget
 from _clocks import fixed_wall_clock
 from forget import BudgetInfeasibleError, TreePlan
+from forget._planning import TreePlanner
 from forget.integrations import transformers as forget_hf
-from forget.planning import TreePlanner
 
 transformers = pytest.importorskip("transformers")
 
@@ -551,7 +551,7 @@ def _module_state(model: Any, attributes: bool = True) -> list[tuple[Any, ...]]:
 
 def _plan_regions(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Each forward of a plan's region, counted: in_recomputing() there (False in a forward)."""
-    from forget.planning._tree import apply as _tree_apply
+    from forget._planning._tree import apply as _tree_apply
 
     calls: list[bool] = []
     run_option = _tree_apply.run_option

@@ -39,23 +39,33 @@ def _imports(source: str, package: tuple[str, ...]) -> list[tuple[tuple[str, ...
 
 
 def _owner(target: tuple[str, ...]) -> tuple[str, ...]:
-    """The package a dotted target lives in: the part before its first private name."""
-    for i, part in enumerate(target):
-        if part.startswith("_"):
+    """The package a dotted target lives in.
+
+    Each package directly under ``forget`` is a package of its own, private
+    (``_engine``) or public (``integrations``); below that, the part before the
+    first private name: a private subpackage is a room of its package.
+    """
+    if target[:1] != ("forget",) or len(target) < 2:
+        return target[:1]
+    for i in range(2, len(target)):
+        if target[i].startswith("_"):
             return target[:i]
     return target
+
+
+def _private(target: tuple[str, ...], name: str) -> bool:
+    """Whether an import reaches past a package's public names."""
+    inner = target[2:] if target[:1] == ("forget",) else target
+    return any(p.startswith("_") for p in inner) or (name.startswith("_") and name != "__future__")
 
 
 @pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(SRC)) for p in MODULES])
 def test_no_module_imports_another_packages_private_names(path):
     package = _package(path)
     for target, name in _imports(path.read_text(), package):
-        private = any(p.startswith("_") for p in target) or (
-            name.startswith("_") and name != "__future__"
-        )
-        if not private or target == ("__future__",):
+        if target == ("__future__",) or not _private(target, name):
             continue
-        owner = _owner(target) if any(p.startswith("_") for p in target) else target
+        owner = _owner(target)
         assert owner == _owner(package), (
             f"{path.relative_to(SRC)} imports {name!r} from {'.'.join(target)}, a private "
             f"name of the package {'.'.join(owner)}; import a public name of that package"
@@ -64,8 +74,8 @@ def test_no_module_imports_another_packages_private_names(path):
 
 # Packages below others (DESIGN.md, "Layers of the code"): each imports none of those.
 BELOW = {
-    "runtime": ("planning",),  # the cap uses the model tree's regions, not the planner
-    "regions": ("planning", "runtime"),  # facts of the model tree, below both
+    "_runtime": ("_planning",),  # the cap uses the model tree's regions, not the planner
+    "_regions": ("_planning", "_runtime"),  # facts of the model tree, below both
 }
 
 
@@ -84,11 +94,11 @@ def test_lower_layers_import_nothing_of_the_higher(below):
 
 
 def test_importing_the_cap_imports_no_planning_module():
-    # In a fresh process: what `import forget.runtime` loads, lazily imported too.
+    # In a fresh process: what `import forget._runtime` loads, lazily imported too.
     import subprocess
     import sys
 
-    code = "import sys, forget.runtime; print(sorted(m for m in sys.modules if 'planning' in m))"
+    code = "import sys, forget._runtime; print(sorted(m for m in sys.modules if 'planning' in m))"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
@@ -99,27 +109,30 @@ def test_importing_the_cap_imports_no_planning_module():
 def test_the_rules_catch_what_they_forbid():
     # The check above can fail: relative and absolute private imports resolve to
     # the package that owns them.
-    planning = ("forget", "planning")
-    relative = _imports("from ..engine._region import Region\n", planning)
-    absolute = _imports("from forget.engine import _region\n", planning)
-    assert relative == [(("forget", "engine", "_region"), "Region")]
-    assert absolute == [(("forget", "engine"), "_region")]
-    assert _owner(relative[0][0]) == ("forget", "engine") != planning
+    planning = ("forget", "_planning")
+    relative = _imports("from .._engine._region import Region\n", planning)
+    absolute = _imports("from forget._engine import _region\n", planning)
+    assert relative == [(("forget", "_engine", "_region"), "Region")]
+    assert absolute == [(("forget", "_engine"), "_region")]
+    assert _private(*relative[0]) and _private(*absolute[0])
+    assert _owner(relative[0][0]) == ("forget", "_engine") != _owner(planning)
+    # A package's public names are no private import, though the package is private.
+    assert not _private(*_imports("from .._engine import forget\n", planning)[0])
     assert _imports("from ._plan import Plan\n", planning) == [
-        (("forget", "planning", "_plan"), "Plan")
+        (("forget", "_planning", "_plan"), "Plan")
     ]
     # A room (a private subpackage) uses its package's private names, no other's.
-    room = ("forget", "planning", "_tree")
+    room = ("forget", "_planning", "_tree")
     shared = _imports("from .._guard import guard\n", room)
     assert _owner(shared[0][0]) == _owner(room) == planning
-    other = _imports("from ...engine._region import Region\n", room)
-    assert _owner(other[0][0]) == ("forget", "engine") != _owner(room)
+    other = _imports("from ..._engine._region import Region\n", room)
+    assert _owner(other[0][0]) == ("forget", "_engine") != _owner(room)
     # The layering check resolves both spellings of an import of the planner.
-    runtime = ("forget", "runtime")
-    assert _imports("from ..planning import DEFAULT_OPTIONS\n", runtime) == [
-        (("forget", "planning"), "DEFAULT_OPTIONS")
+    runtime = ("forget", "_runtime")
+    assert _imports("from .._planning import DEFAULT_OPTIONS\n", runtime) == [
+        (("forget", "_planning"), "DEFAULT_OPTIONS")
     ]
-    assert _imports("from .. import planning\n", runtime) == [(("forget",), "planning")]
+    assert _imports("from .. import _planning\n", runtime) == [(("forget",), "_planning")]
 
 
 def test_public_functions_stay_functions_once_every_subpackage_is_imported():
@@ -129,10 +142,10 @@ def test_public_functions_stay_functions_once_every_subpackage_is_imported():
 
     import forget
 
-    packages = ("engine", "memory", "regions", "planning", "runtime", "schedules", "cli")
-    for name in (*packages, "integrations"):
+    packages = ("_engine", "_memory", "_regions", "_planning", "_runtime", "_cli")
+    for name in (*packages, "schedules", "integrations", "policies"):
         importlib.import_module(f"forget.{name}")
     for name in ("forget", "checkpoint", "plan", "saved", "measure", "regenerating"):
         value = getattr(forget, name)
         assert callable(value) and not isinstance(value, type(forget)), name
-    assert forget.plan.__module__ == "forget.planning._chain.planner"
+    assert forget.plan.__module__ == "forget._planning._chain.planner"

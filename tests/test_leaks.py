@@ -4,7 +4,7 @@ A small model (regions, nested regions, dropout, BatchNorm) trains for a few
 hundred steps under `forget`; after a warm-up the number of live
 ``torch.Tensor`` objects must not change at all, and the number of objects
 the garbage collector tracks may move only by a small fixed slack. Separately,
-every ``forget.engine.Region`` must be gone once backward (without
+every ``forget._engine.Region`` must be gone once backward (without
 ``retain_graph``) has run and the output is dropped.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import forget
-from forget.engine import Region
+from forget._engine import Region
 
 WIDTH = 8
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
-from forget.engine import storage_of
-from forget.memory import (
+from forget._engine import storage_of
+from forget._memory import (
     Ledger,
     MemoryReport,
     SavedReport,
@@ -285,7 +285,7 @@ def test_allocator_peak_is_the_profiler_probes_peak(name):
     _fresh(model)
     profiled = measure(_step(model, x), probe="profiler")
     _fresh(model)
-    assert forget.memory.allocator_peak(_step(model, x)) == profiled.peak_bytes
+    assert forget._memory.allocator_peak(_step(model, x)) == profiled.peak_bytes
 
 
 def test_allocator_peak_keeps_kinetos_log_off_stderr_and_stops_its_profiler_on_error(capfd):
@@ -294,8 +294,8 @@ def test_allocator_peak_keeps_kinetos_log_off_stderr_and_stops_its_profiler_on_e
         raise KeyError("stop")
 
     with pytest.raises(KeyError):
-        forget.memory.allocator_peak(fails)
-    assert forget.memory.allocator_peak(lambda: torch.ones(1000, 1000)) == 4_000_000
+        forget._memory.allocator_peak(fails)
+    assert forget._memory.allocator_peak(lambda: torch.ones(1000, 1000)) == 4_000_000
     assert capfd.readouterr().err == ""
 
 
@@ -603,7 +603,7 @@ def test_docstring_examples(module):
 _FROZEN_HEAP = """
 import gc
 import torch
-from forget.memory import frozen_heap, measure
+from forget._memory import frozen_heap, measure
 
 class Cycle:
     pass
@@ -677,7 +677,7 @@ def test_ledger_records_say_what_made_each_storage_and_in_which_regions():
 
 
 def test_the_profiler_probe_leaves_file_descriptor_2_where_it_was(capfd):
-    # The library changes no descriptor (NOTE [kineto's log] in forget.cli).
+    # The library changes no descriptor (NOTE [kineto's log] in forget._cli).
     outside = os.fstat(2)
     inside = []
 

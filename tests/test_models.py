@@ -10,8 +10,8 @@ import torch
 import torch.utils.checkpoint
 
 import forget
-import forget.cli._models
-from forget.cli._models import (
+import forget._cli._models
+from forget._cli._models import (
     MODEL_NAMES,
     SIZES,
     BlockModel,
@@ -196,7 +196,7 @@ def test_bad_shapes_raise_value_error():
 
 
 def test_docstring_example_runs():
-    result = doctest.testmod(forget.cli._models)
+    result = doctest.testmod(forget._cli._models)
     assert result.attempted > 0
     assert result.failed == 0
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import forget
-from forget.engine import Region
+from forget._engine import Region
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 

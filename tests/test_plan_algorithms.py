@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import forget.schedules
-from forget.errors import BudgetInfeasibleError
+from forget._errors import BudgetInfeasibleError
 from forget.schedules import (
     ALGORITHMS,
     Chain,

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from forget.cli import _common, _plan
-from forget.cli import main as cli_main
+from forget._cli import _common, _plan
+from forget._cli import main as cli_main
 
 HEADER = (
     "model         budget  budget MiB  peak MiB  peak/budget  plan overhead  uniform  "
@@ -64,9 +64,9 @@ def test_plan_user_factory_with_input_shape(tmp_path, monkeypatch, capsys):
     [
         (["--model", "nope"], "module:factory"),
         (["--model", "no_such_module_xyz:f", "--input-shape", "2,2"], "cannot import"),
-        (["--model", "forget.cli._models:MODEL_NAMES", "--input-shape", "2"], "not a callable"),
+        (["--model", "forget._cli._models:MODEL_NAMES", "--input-shape", "2"], "not a callable"),
         (["--model", "torch.nn:Identity"], "--input-shape"),
-        (["--model", "forget.nn:ForgetSequential", "--input-shape", "2"], "raised TypeError"),
+        (["--model", "forget._nn:ForgetSequential", "--input-shape", "2"], "raised TypeError"),
         (["--model", "residual_mlp", "--budgets", "12 parsecs"], "cannot read the budget"),
         (["--model", "residual_mlp", "--budgets", ","], "--budgets is empty"),
         (["--model", "residual_mlp", "--algorithm", "magic"], "valid names"),
@@ -154,7 +154,7 @@ def test_best_uniform_is_selected_then_timed_afresh(monkeypatch):
     # round and its overhead comes from a second round, beside the plan and plain.
     import torch
 
-    from forget.planning import Planner
+    from forget._planning import Planner
 
     torch.manual_seed(0)
     layer = lambda: torch.nn.Sequential(  # noqa: E731
@@ -210,7 +210,7 @@ def test_budgets_are_planned_from_the_smallest_up(monkeypatch):
     # schedules; the rows keep the order the budgets were given in.
     import torch
 
-    from forget.planning import Planner
+    from forget._planning import Planner
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
@@ -262,7 +262,7 @@ def test_ratio_range_resamples_paired_rounds():
 
 def test_a_plan_measured_below_plain_has_no_ratio(monkeypatch):
     from forget import schedules as P
-    from forget.planning import Plan
+    from forget._planning import Plan
 
     chain = P.Chain(tuple(P.Stage(f"s{i}", 1.0, 0.8, 2.0, 100, 100, 400) for i in range(2)))
     schedule = P.Schedule.from_items(chain, (P.Region((P.Keep(0),)), P.Keep(1)))
@@ -279,7 +279,7 @@ def test_a_plan_measured_below_plain_has_no_ratio(monkeypatch):
 
 def _nested_plan():
     from forget import schedules as P
-    from forget.planning import Plan
+    from forget._planning import Plan
 
     chain = P.Chain(tuple(P.Stage(f"s{i}", 1e-3, 8e-4, 2e-3, 100, 100, 400) for i in range(4)))
     items = (P.Region((P.Keep(0), P.Region((P.Keep(1),)))), P.Region((P.Keep(2),)), P.Keep(3))
@@ -357,8 +357,8 @@ def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_pat
     import torch
     from matplotlib.figure import Figure
 
-    from forget.cli._models import build_model
-    from forget.planning import Planner
+    from forget._cli._models import build_model
+    from forget._planning import Planner
 
     model = build_model("tiny_gpt", "tiny", seed=0)
     planner = Planner(model, model.example_input(generator=torch.Generator()), repeats=1)

@@ -3,7 +3,7 @@
 NOTE [guarded steps] and NOTE [planning within the budget]: every step the tree
 planner runs on real tensors is stopped once it allocates past the budget, so
 a misprediction is a measured miss, never a process past the budget; the model
-is left as it was. Bytes here are the ledger's (`forget.memory.Ledger`), which
+is left as it was. Bytes here are the ledger's (`forget._memory.Ledger`), which
 sees every storage any part of planning makes, the planner's own included.
 """
 
@@ -18,8 +18,8 @@ import torch
 import forget
 from _tree_models import MODELS, _allocator_peak, _assert_untouched, _snapshot, _with_grads
 from forget import schedules as S
-from forget.memory import Ledger, watch
-from forget.planning import TreePlanner
+from forget._memory import Ledger, watch
+from forget._planning import TreePlanner
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 import forget
-from forget.cli import main as cli_main
+from forget._cli import main as cli_main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

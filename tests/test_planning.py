@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 import forget
-from forget import BudgetInfeasibleError, planning
+from forget import BudgetInfeasibleError
+from forget import _planning as planning
 from forget import policies as policies_
 from forget import schedules as P
-from forget.cli._models import build_model
-from forget.engine import InTurn
-from forget.planning import (
+from forget._cli._models import build_model
+from forget._engine import InTurn
+from forget._planning import (
     FixedClock,
     Plan,
     PlannedSequential,
@@ -30,8 +31,8 @@ from forget.planning import (
     _timing,
     profile_chain,
 )
-from forget.planning._chain import planner as _planner
-from forget.planning._chain import profile as _profile
+from forget._planning._chain import planner as _planner
+from forget._planning._chain import profile as _profile
 
 # Tests here check bytes, schedules and gradients; times come from a clock that runs
 # nothing (conftest.py). The few that need real times ask for `wall_clock`.

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import forget
 from forget import policies as P
-from forget.engine import _offload
+from forget._engine import _offload
 
 
 class OpLog(TorchDispatchMode):
@@ -177,8 +177,8 @@ def test_kept_draws_under_double_backward():
 @pytest.mark.parametrize("shape", [(1,), (7,), (8,), (4, 16), (3, 5, 11), (64, 0)])
 def test_bits_round_trip_in_logical_order(shape, byteorder, monkeypatch):
     # The int64 gather on little-endian machines, a byte loop elsewhere: same bits.
-    from forget.engine import _selective
-    from forget.engine._selective import _pack_bits, _unpack_bits_into
+    from forget._engine import _selective
+    from forget._engine._selective import _pack_bits, _unpack_bits_into
 
     monkeypatch.setattr(_selective.sys, "byteorder", byteorder)
     torch.manual_seed(0)
@@ -468,7 +468,7 @@ def test_kept_draws_give_the_same_bytes_every_run():
     # reused (a later linear output of the same size); what reads the draw is settled
     # by position, so the bytes kept never depend on where the allocator put things.
     # (Settled by address, 1 run in 5 kept the block's last linear output too.)
-    from forget.cli._models import build_model
+    from forget._cli._models import build_model
 
     model = build_model("tiny_gpt", "tiny", seed=0)
     x, y = model.example_input(generator=torch.Generator().manual_seed(0))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import forget
-from forget.cli import _profile
-from forget.cli import main as cli_main
+from forget._cli import _profile
+from forget._cli import main as cli_main
 
 FACTORY = """
 import torch

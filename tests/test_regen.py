@@ -13,8 +13,8 @@ from torch import nn
 
 import forget
 from forget import policies as P
-from forget.cli._models import build_model
-from forget.planning import Planner, run_items
+from forget._cli._models import build_model
+from forget._planning import Planner, run_items
 from forget.schedules import Keep, Region, Schedule
 
 
@@ -69,7 +69,7 @@ def test_regenerated_outputs_under_double_backward():
 
 
 def test_the_op_runs_again_once_per_unpack_and_a_live_output_is_used_as_is(monkeypatch):
-    from forget.engine import _regenerate
+    from forget._engine import _regenerate
 
     calls = []
     rule = _regenerate._RULES["GeluBackward0"]
@@ -328,7 +328,7 @@ def test_a_dropouts_product_and_float_mask_are_rebuilt_bitwise():
 
 
 def test_what_cannot_be_rebuilt_exactly_is_kept():
-    from forget.engine._regenerate import _two_valued
+    from forget._engine._regenerate import _two_valued
 
     policy = P.regenerate()
     a = torch.randn(64, 64, requires_grad=True)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import forget
-from forget.planning import DEFAULT_OPTIONS
-from forget.planning._tree.apply import applied
+from forget._planning._tree.apply import applied
+from forget.policies import DEFAULT_OPTIONS
 
 
 def _equal_state(a: nn.Module, b: nn.Module) -> bool:

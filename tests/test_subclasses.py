@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 
 import forget
 from forget import policies as P
-from forget.engine import storage_key
+from forget._engine import storage_key
 
 SIZE_OPS = {
     torch.ops.aten.sym_size.default: lambda t: t.shape,

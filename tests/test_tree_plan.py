@@ -27,9 +27,9 @@ from torch import nn
 import forget
 from _tree_models import MODELS, _allocator_peak, _step
 from forget import BudgetInfeasibleError, TreePlan
-from forget.planning import FixedClock, TreePlanner, WallClock
-from forget.planning._tree.search import choices_key as _key
-from forget.regions import RegionForward
+from forget._planning import FixedClock, TreePlanner, WallClock
+from forget._planning._tree.search import choices_key as _key
+from forget._regions import RegionForward
 
 BUDGETS = ("75%", "50%", "least")
 

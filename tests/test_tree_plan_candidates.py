@@ -29,10 +29,11 @@ from _tree_models import (
 )
 from forget import TreePlan
 from forget import policies as policies_
-from forget.planning import DEFAULT_OPTIONS, TreePlanner
-from forget.planning._tree.search import choices_key as _key
-from forget.planning._tree.search import drop_regions, search_frontier
-from forget.regions import find_candidates, first_difference
+from forget._planning import TreePlanner
+from forget._planning._tree.search import choices_key as _key
+from forget._planning._tree.search import drop_regions, search_frontier
+from forget._regions import find_candidates, first_difference
+from forget.policies import DEFAULT_OPTIONS
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 
@@ -208,7 +209,7 @@ def test_options_are_leaf_choices_measured_per_module():
 
 def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypatch):
     # NOTE [default options], NOTE [tree figures].
-    from forget.planning._tree import alone as _tree_alone
+    from forget._planning._tree import alone as _tree_alone
 
     measured: list[str] = []
     real = _tree_alone._Alone.option_bytes

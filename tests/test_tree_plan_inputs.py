@@ -30,7 +30,7 @@ from _tree_models import (
     _with_grads,
 )
 from forget import BudgetInfeasibleError
-from forget.planning import TreePlanner
+from forget._planning import TreePlanner
 
 pytestmark = pytest.mark.usefixtures("fixed_clock")
 
@@ -271,7 +271,7 @@ def test_a_module_that_writes_into_its_input_is_planned_and_exact():
     model.load_state_dict(plain.state_dict())
     x = torch.randn(512, 16)
     plan = forget.plan(model, x, budget="75%", loss_fn=lambda out: out.square().mean(), repeats=1)
-    assert "head" in forget.planning.find_candidates(plain)  # measured alone, on copies
+    assert "head" in forget._planning.find_candidates(plain)  # measured alone, on copies
     assert plan.measured_peak_bytes <= plan.budget_bytes
     plan.apply(model)
     for net in (plain, model):
@@ -304,7 +304,7 @@ def test_a_module_that_changes_an_input_that_is_no_tensor_is_planned_and_exact()
 @pytest.mark.parametrize("name", ["resnet", "llama"])
 def test_captures_together_plan_as_one_capture_per_module(name, monkeypatch):
     # NOTE [captures together]: the same figures and the same plan, from fewer forwards.
-    from forget.planning._tree import alone
+    from forget._planning._tree import alone
 
     captures = []
     original = alone._capture
@@ -330,7 +330,7 @@ def test_captures_together_plan_as_one_capture_per_module(name, monkeypatch):
 
 
 def test_batches_hold_no_more_than_the_largest_modules_inputs():
-    from forget.planning._tree import alone
+    from forget._planning._tree import alone
 
     f32 = torch.float32
     layouts = {
@@ -344,8 +344,8 @@ def test_batches_hold_no_more_than_the_largest_modules_inputs():
 
 
 def test_a_batch_of_captures_that_passes_the_budget_is_captured_one_at_a_time(monkeypatch):
-    from forget.planning._guard import Overrun
-    from forget.planning._tree import alone
+    from forget._planning._guard import Overrun
+    from forget._planning._tree import alone
 
     original = alone._capture
     sizes = []

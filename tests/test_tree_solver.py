@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forget.errors import BudgetInfeasibleError
+from forget._errors import BudgetInfeasibleError
 from forget.schedules import (
     Tree,
     TreeFigures,

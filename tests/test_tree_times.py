@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from _tree_models import MODELS
-from forget.planning import FixedClock, TreePlanner, WallClock, _clock
-from forget.planning._tree import alone
-from forget.planning._tree.step import TreeStep
-from forget.regions import ROOT
+from forget._planning import FixedClock, TreePlanner, WallClock, _clock
+from forget._planning._tree import alone
+from forget._planning._tree.step import TreeStep
+from forget._regions import ROOT
 
 
 class _Pair(nn.Module):

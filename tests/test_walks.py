@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from forget.engine import ModuleWalks, storage_key
+from forget._engine import ModuleWalks, storage_key
 
 
 def _model() -> nn.Module:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import BudgetInfeasibleError as BudgetInfeasibleError
-from .errors import ForgetError as ForgetError
-from .errors import RecomputationMismatchError as RecomputationMismatchError
+from ._errors import BudgetInfeasibleError as BudgetInfeasibleError
+from ._errors import ForgetError as ForgetError
+from ._errors import RecomputationMismatchError as RecomputationMismatchError
 
 if TYPE_CHECKING:
     from . import integrations as integrations
@@ -22,18 +22,18 @@ if TYPE_CHECKING:
     from . import schedules as schedules
     from ._apply import apply_forget as apply_forget
     from ._checkpoint import checkpoint as checkpoint
-    from .engine import chunked as chunked
-    from .engine import forget as forget
-    from .engine import in_recomputing as in_recomputing
-    from .engine import regenerating as regenerating
-    from .memory import measure as measure
-    from .memory import saved as saved
-    from .nn import Forget as Forget
-    from .nn import forget_sequential as forget_sequential
-    from .planning import Plan as Plan
-    from .planning import TreePlan as TreePlan
-    from .planning import plan as plan
-    from .runtime import cap as cap
+    from ._engine import chunked as chunked
+    from ._engine import forget as forget
+    from ._engine import in_recomputing as in_recomputing
+    from ._engine import regenerating as regenerating
+    from ._memory import measure as measure
+    from ._memory import saved as saved
+    from ._nn import Forget as Forget
+    from ._nn import forget_sequential as forget_sequential
+    from ._planning import Plan as Plan
+    from ._planning import TreePlan as TreePlan
+    from ._planning import plan as plan
+    from ._runtime import cap as cap
 
 __version__ = "0.1.0"
 
@@ -45,20 +45,20 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it, imported on first access (PEP 562).
 _LAZY: dict[str, str] = {
-    "forget": ".engine",
-    "chunked": ".engine",
-    "in_recomputing": ".engine",
-    "regenerating": ".engine",
+    "forget": "._engine",
+    "chunked": "._engine",
+    "in_recomputing": "._engine",
+    "regenerating": "._engine",
     "checkpoint": "._checkpoint",
     "apply_forget": "._apply",
-    "Forget": ".nn",
-    "forget_sequential": ".nn",
-    "measure": ".memory",
-    "saved": ".memory",
-    "plan": ".planning",
-    "Plan": ".planning",
-    "TreePlan": ".planning",
-    "cap": ".runtime",
+    "Forget": "._nn",
+    "forget_sequential": "._nn",
+    "measure": "._memory",
+    "saved": "._memory",
+    "plan": "._planning",
+    "Plan": "._planning",
+    "TreePlan": "._planning",
+    "cap": "._runtime",
 }
 
 # Public subpackages, imported on first access; ``schedules``, ``policies`` and

@@ -1,5 +1,5 @@
 """`python -m forget ...` runs the command-line interface."""
 
-from .cli import main
+from ._cli import main
 
 raise SystemExit(main())

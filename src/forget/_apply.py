@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from .nn import Forget
+from ._nn import Forget
 from .policies import Policy
 
 __all__ = ["apply_forget"]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .engine import compiled_region, run_region
+from ._engine import compiled_region, run_region
 from .policies import Policy, as_policy
 
 __all__ = ["checkpoint"]

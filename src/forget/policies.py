@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 __all__ = [
     "ATTENTION",
     "CONV",
+    "DEFAULT_OPTIONS",
     "DROPOUT",
     "LINEAR",
     "MATMUL",
@@ -206,7 +208,7 @@ which is found by trying the usual ones, kept only where the output's bits
 come out again), of a product whose operands are kept anyway (a dropout's
 masked output: its backward keeps the mask, softmax keeps its result), and the
 0-or-scale masks that ``aten.bernoulli_`` fills for a CPU dropout, kept as one
-byte per element (NOTE [two-valued masks] in ``forget.engine._regenerate``)."""
+byte per element (NOTE [two-valued masks] in ``forget._engine._regenerate``)."""
 
 
 def regenerate(*ops: str) -> Policy:
@@ -215,7 +217,7 @@ def regenerate(*ops: str) -> Policy:
     Not a region's policy: the stage runs once, as plain autograd, and each
     tensor saved for backward that is the output of one of ``ops`` (or a view
     of it) is rebuilt from the input the op's own backward keeps (NOTE
-    [regenerate] in ``forget.engine._regenerate``): GELU's output, which the next Linear
+    [regenerate] in ``forget._engine._regenerate``): GELU's output, which the next Linear
     saves, costs one GELU in backward instead of its bytes. Gradients are
     bitwise the plain run's. With no ``ops``, every entry of `REGENERABLE`.
     Use it as a stage option of `forget.plan` (``options={"regen":
@@ -296,3 +298,16 @@ def as_policy(value: Policy | bool | None) -> Policy:
         f"forget: a policy is a forget.policies.Policy or a bool, got {type(value).__name__}; "
         "build one with e.g. forget.policies.save_outputs_of('mm')."
     )
+
+
+#: The leaf options a module tree is planned with when ``options`` is not given,
+#: and what a cap's partial keeps: ``"selective"`` keeps the outputs of a region's
+#: matmuls, attention and dropout and re-runs the rest (norms, activations,
+#: residual sums); ``"regenerate"`` keeps the module and rebuilds its activation,
+#: norm and dropout outputs in backward (`regenerate`).
+DEFAULT_OPTIONS: Mapping[str, Policy] = MappingProxyType(
+    {
+        "selective": save_outputs_of(*LINEAR, *ATTENTION, *DROPOUT),
+        "regenerate": regenerate(),
+    }
+)

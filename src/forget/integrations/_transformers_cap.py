@@ -30,7 +30,7 @@ def enable_cap(
     ``door`` is the model's `_ForgetDoor` (new or found), ``found`` transformers'
     checkpointing as it is now and ``put_back`` what restores it.
     """
-    from ..runtime import cap
+    from .._runtime import cap
 
     undo = cleared(door, found, put_back)
     try:

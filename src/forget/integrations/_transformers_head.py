@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..regions import CHUNKED as _ATTR
-from ..regions import HEAD, unwrap_forward, wrap_forward
+from .._regions import CHUNKED as _ATTR
+from .._regions import HEAD, unwrap_forward, wrap_forward
 
 __all__ = ["ChunkedLoss", "chunk_loss", "chunked_loss_of", "default_chunks"]
 

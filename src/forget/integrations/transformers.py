@@ -95,8 +95,8 @@ from ._transformers_head import chunk_loss as chunk_loss
 from ._transformers_head import chunked_loss_of as chunked_loss_of
 
 if TYPE_CHECKING:
-    from ..planning import TreePlan
-    from ..runtime import Cap
+    from .._planning import TreePlan
+    from .._runtime import Cap
 
 __all__ = [
     "ChunkedLoss",
@@ -331,7 +331,7 @@ def _enable_plan(
     model: Any, budget: int | float | str, planning: dict[str, Any], layer_options: dict[str, Any]
 ) -> Any:
     """`enable` with a budget: plan the plain model, then put the plan in (NOTE [plan in force])."""
-    from ..planning import plan
+    from .._planning import plan
 
     base = _base_model(model, layers=False)
     if given := [name for name, value in layer_options.items() if value is not None]:
@@ -369,7 +369,7 @@ class _ForgetDoor:
         self.model = model
         self.options = options
         self.plan: TreePlan | None = None
-        self.cap: Any = None  # a forget.runtime.Cap (NOTE [cap in force])
+        self.cap: Any = None  # a forget._runtime.Cap (NOTE [cap in force])
         self.name = "activation_checkpointing_enable"
         if not hasattr(model, self.name):  # transformers 4.x
             self.name = "gradient_checkpointing_enable"

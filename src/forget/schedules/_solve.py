@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from ..errors import BudgetInfeasibleError
+from .._errors import BudgetInfeasibleError
 from ._baselines import forget_each_items, sqrt_segments, store_all_items, uniform_items
 from ._chain import Chain
 from ._dp import (

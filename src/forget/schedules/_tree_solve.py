@@ -31,7 +31,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BudgetInfeasibleError
+from .._errors import BudgetInfeasibleError
 from ._solve import _check_budget
 from ._tree import FORGET, KEEP, Tree, TreeNode, TreeOption, _check_tree
 from ._units import format_bytes

@@ -1,0 +1,268 @@
+"""Timing: callables in interleaved rounds, medians, paired differences."""
+
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from .. import schedules as P
+from .._engine import run_region
+from ._clock import WALL_CLOCK, Clock
+from ._targets import Block, _Target, untouched, zero_grads
+
+K = TypeVar("K")
+
+# ---------------------------------------------------------------- profiling
+
+
+def _median_s(fn: Callable[[], Any], repeats: int, clock: Clock) -> float:
+    return statistics.median(clock.elapsed(fn) for _ in range(repeats))
+
+
+def _step_of(forward: Callable[[], Any]) -> Callable[[], None]:
+    """One forward and backward (gradient of ones) of ``forward``."""
+
+    def step() -> None:
+        y = forward()
+        if isinstance(y, Tensor) and y.requires_grad:
+            y.backward(torch.ones_like(y))
+
+    return step
+
+
+def _step_timer(
+    forward: Callable[[], Any], clear: Callable[[], None], clock: Clock
+) -> Callable[[], float]:
+    """Time one forward and backward (gradient of ones) of ``forward`` on ``clock``."""
+    step = _step_of(forward)
+
+    def timed() -> float:
+        clear()
+        return clock.elapsed(step)
+
+    return timed
+
+
+def _alternating_median_difference(
+    a: Callable[[], float], b: Callable[[], float], repeats: int
+) -> float:
+    """Median of ``a() - b()`` over pairs run back to back (noise hits both alike), >= 0."""
+    a(), b()  # warm up
+    return max(0.0, statistics.median(a() - b() for _ in range(max(3, repeats))))
+
+
+def _pair_starts(n: int) -> list[int]:
+    """The first blocks of the disjoint neighbouring pairs `_region_overhead_s` times."""
+    starts = list(range(0, n - 1, 2))
+    if len(starts) > _REGION_PAIRS:
+        last = len(starts) - 1
+        starts = [starts[round(j * last / (_REGION_PAIRS - 1))] for j in range(_REGION_PAIRS)]
+    return starts
+
+
+def time_calls(
+    calls: Mapping[K, Callable[[], object]],
+    repeats: int,
+    *,
+    prepare: Callable[[K], object] | None = None,
+    warm_up: bool = True,
+    clock: Clock = WALL_CLOCK,
+) -> dict[K, list[float]]:
+    """Times of each call on ``clock`` (the wall clock), round by round, side by side.
+
+    One warm-up round (unless ``warm_up`` is false: every call ran before in
+    the process), then ``repeats`` rounds, each running every call once, so
+    machine noise hits all alike: the ``r``-th time of every call comes from
+    the same round. The order is shuffled each round (seeded): a call timed
+    right after a larger one pays for memory the allocator hands back, which a
+    fixed order would charge to the same call every round. ``prepare(key)``
+    runs before each call, untimed (zeroing gradients, seeding).
+
+    Example:
+        >>> rounds = time_calls({"a": lambda: None, "b": lambda: None}, 3)
+        >>> {key: len(times) for key, times in rounds.items()}
+        {'a': 3, 'b': 3}
+    """
+    times: dict[K, list[float]] = {key: [] for key in calls}
+    order = list(calls)
+    rng = random.Random(0)
+    for round_ in range(repeats + 1 if warm_up else repeats):
+        rng.shuffle(order)
+        for key in order:
+            if prepare is not None:
+                prepare(key)
+            seconds = clock.elapsed(calls[key])
+            if round_ or not warm_up:
+                times[key].append(seconds)
+    return times
+
+
+def time_rounds(
+    target: _Target,
+    runners: Mapping[Any, Block | None],
+    repeats: int,
+    *,
+    clock: Clock = WALL_CLOCK,
+) -> dict[Any, list[float]]:
+    """Step times of each runner (``None``: plain) on ``target``, round by round (`time_calls`).
+
+    The model is left as it was (`untouched`); gradients are zeroed, untimed,
+    before every step.
+    """
+    steps = {key: functools.partial(target.step, runner) for key, runner in runners.items()}
+    with untouched(target):
+        return time_calls(steps, repeats, prepare=lambda _: zero_grads(target), clock=clock)
+
+
+def time_side_by_side(
+    target: _Target,
+    runners: Mapping[Any, Block | None],
+    repeats: int,
+    *,
+    clock: Clock = WALL_CLOCK,
+) -> dict[Any, float]:
+    """Median step time of each runner (``None``: plain), timed side by side (`time_rounds`)."""
+    rounds = time_rounds(target, runners, repeats, clock=clock)
+    return {key: statistics.median(ts) for key, ts in rounds.items()}
+
+
+def paired_overheads(
+    target: _Target, runners: Mapping[Any, Block], repeats: int, *, clock: Clock = WALL_CLOCK
+) -> dict[Any, list[float]]:
+    """Step-time overhead of each runner over the plain step, round by round.
+
+    NOTE [paired rounds]: the plain step is timed in every round beside the
+    runners (`time_rounds`), and a runner's overhead in a round is its time
+    over plain's *in the same round*, minus one; the median of those is the
+    runner's overhead. A ratio of two medians would let a slow stretch of the
+    machine that fell on plain's steps in some rounds and on a runner's in
+    others count as overhead; paired, what a round shares divides out. The
+    rounds stay paired across runners too, for a ratio's spread (`forget
+    plan`'s range of the middle runs).
+    """
+    plain = object()
+    rounds = time_rounds(target, {plain: None, **runners}, repeats, clock=clock)
+    base = rounds.pop(plain)
+    return {key: [t / b - 1 for t, b in zip(ts, base, strict=True)] for key, ts in rounds.items()}
+
+
+def fastest_of(time: Callable[[Sequence[int]], Mapping[int, Sequence[float]]], count: int) -> int:
+    """The index of the fastest of ``count`` candidates; candidate 0 is the predicted fastest.
+
+    ``time(indices)`` times those candidates side by side and returns their
+    step times round by round (`time_rounds`, `time_calls`). NOTE [consistently
+    faster] and NOTE [confirmed on fresh rounds] (in `forget._planning._chain.planner`):
+    each is ranked by the median of its differences to candidate 0, round by
+    round, and the best displaces candidate 0 only if it was faster in two
+    thirds of the rounds, and again in two thirds of fresh rounds.
+    """
+    if count <= 1:
+        return 0
+    rounds = time(range(count))
+    reference = rounds[0]
+
+    def lead(i: int) -> float:
+        return statistics.median(a - b for a, b in zip(rounds[i], reference, strict=True))
+
+    best = min(rounds, key=lambda i: (lead(i), i))
+    if best == 0 or not _displaces(rounds[best], reference):
+        return 0
+    fresh = time([0, best])  # NOTE [confirmed on fresh rounds]
+    return best if _displaces(fresh[best], fresh[0]) else 0
+
+
+def _displaces(rounds: Sequence[float], reference: Sequence[float]) -> bool:
+    """NOTE [consistently faster]: faster than ``reference`` in two thirds of the rounds or more."""
+    wins = sum(a < b for a, b in zip(rounds, reference, strict=True))
+    return 3 * wins >= 2 * len(rounds)
+
+
+# Pairs of neighbouring blocks the fixed cost of a region is the median over.
+_REGION_PAIRS = 4
+
+
+def ratio_range(
+    plan: Sequence[float], reference: Sequence[float], draws: int = 2000
+) -> tuple[float, float] | None:
+    """The 5th and 95th percentiles of median(plan) / median(reference) over resampled rounds.
+
+    NOTE [ratio range]: ``plan`` and ``reference`` are per-round overheads of the
+    same rounds (NOTE [paired rounds]); the rounds are drawn with replacement,
+    as pairs, ``draws`` times (seeded, so a table repeats given its timings).
+    A draw whose reference median is not above zero has no ratio and is left
+    out; with fewer than half the draws left, there is no range.
+    """
+    if len(plan) != len(reference) or not plan:
+        raise ValueError("forget: plan and reference need the same, non-zero number of rounds")
+    rng = random.Random(0)
+    n = len(plan)
+    ratios = []
+    for _ in range(draws):
+        picks = [rng.randrange(n) for _ in range(n)]
+        below = statistics.median(reference[i] for i in picks)
+        if below > 0:
+            ratios.append(statistics.median(plan[i] for i in picks) / below)
+    if 2 * len(ratios) < draws:
+        return None
+    cuts = statistics.quantiles(ratios, n=20, method="inclusive")
+    return cuts[0], cuts[-1]
+
+
+def _region_overhead_s(
+    blocks: Sequence[Block],
+    inputs: Mapping[int, Tensor],
+    stages: Sequence[P.Stage],
+    repeats: int,
+    clock: Clock,
+) -> float:
+    """The fixed cost of one region, the median over pairs of neighbouring blocks.
+
+    Forgetting blocks ``i`` and ``i + 1`` as one region costs ``extra_pair``
+    more than the plain step; as two regions, ``extra_i + extra_i+1`` (their
+    stages' ``forward_nograd_s`` as profiled). The difference is what the
+    second region's setup, hooks and recomputation cost beyond its ops. One
+    pair's difference of differences scatters widely from profile to profile
+    (benchmarks/measured.md), so up to `_REGION_PAIRS` disjoint pairs
+    spread over the chain are measured and the median taken (``inputs`` holds
+    the input of block 0 and of each pair's first block). With one block, a
+    region around a single tiny op stands in.
+    """
+    if len(blocks) < 2:
+        x = torch.ones(1, device=inputs[0].device, requires_grad=True)
+        tiny = functools.partial(torch.mul, other=2.0)
+
+        def clear_x() -> None:
+            x.grad = None
+
+        return _alternating_median_difference(
+            _step_timer(lambda: run_region(tiny, (x,), {}), clear_x, clock),
+            _step_timer(lambda: tiny(x), clear_x, clock),
+            max(9, 3 * repeats),
+        )
+    estimates = []
+    for i in _pair_starts(len(blocks)):
+        b0, b1, h = blocks[i], blocks[i + 1], inputs[i]
+        params = [p for b in (b0, b1) for p in getattr(b, "parameters", list)()]
+
+        def clear(h: Tensor = h, params: list[Any] = params) -> None:
+            h.grad = None
+            for p in params:
+                p.grad = None
+
+        def pair(t: Tensor, b0: Block = b0, b1: Block = b1) -> Tensor:
+            out: Tensor = b1(b0(t))
+            return out
+
+        extra_pair = _alternating_median_difference(
+            _step_timer(lambda: run_region(pair, (h,), {}), clear, clock),  # noqa: B023
+            _step_timer(lambda: pair(h), clear, clock),  # noqa: B023
+            max(9, repeats),
+        )
+        estimates.append(stages[i].forward_nograd_s + stages[i + 1].forward_nograd_s - extra_pair)
+    return max(0.0, statistics.median(estimates))
