@@ -3,7 +3,9 @@
 Wall-clock ratios on a shared 2-core machine move by 15 % from run to run;
 instruction counts repeat to within a few thousand. This runs one step of a
 reference model plain, with ``torch.utils.checkpoint`` per block, with
-``forget.checkpoint`` per block and with a selective policy per block, each in
+``forget.checkpoint`` per block (its sites learned, then fast), the same on
+the exact path alone (``exact``: ``fast_path(False)``, the dispatch mode at
+every call) and with a selective policy per block, each in
 its own ``valgrind --tool=callgrind`` process, one thread, after two warm-up
 steps, counting only the measured step (``callgrind_control`` switches the
 counting on and off). It reports instructions and ratios: what each variant's
@@ -25,7 +27,7 @@ import shutil
 import subprocess
 import sys
 
-VARIANTS = ("plain", "torch", "forget", "selective")
+VARIANTS = ("plain", "torch", "forget", "exact", "selective")
 
 
 def _step(model_name: str, size: str, variant: str) -> None:
@@ -38,6 +40,11 @@ def _step(model_name: str, size: str, variant: str) -> None:
     import forget
     from forget import policies
     from forget._cli._models import build_model
+    from forget._engine import fast_path
+
+    def exact(block: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        with fast_path(False):  # every call on the exact path (NOTE [fast path])
+            return forget.checkpoint(block, h)
 
     torch.set_num_threads(1)
     model = build_model(model_name, size, seed=0)
@@ -49,6 +56,7 @@ def _step(model_name: str, size: str, variant: str) -> None:
         "plain": None,
         "torch": lambda b, h: torch_checkpoint.checkpoint(b, h, use_reentrant=False),
         "forget": lambda b, h: forget.checkpoint(b, h),
+        "exact": exact,
         "selective": lambda b, h: forget.checkpoint(b, h, policy=keep),
     }
     wrap = wraps[variant]
