@@ -132,7 +132,7 @@ def run_cuda_tests() -> tuple[int, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     files = [str(p.relative_to(ROOT)) for p in cuda_test_files()]
-    # pyproject's addopts add -q and no cache; -rs lists why any test was skipped.
+    # pyproject's addopts turn the cache off; -rs lists why any test was skipped.
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-rs", *files]
     print("gpu-check:", " ".join(cmd[2:]), flush=True)
     try:

@@ -291,6 +291,7 @@ def test_mismatch_is_reported_loudly(monkeypatch, capsys):
 
 
 def test_runs_without_tqdm_and_says_once_how_to_get_bars(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a bar is for a terminal
     monkeypatch.setitem(sys.modules, "tqdm", None)
     monkeypatch.setattr(_common, "_noted_no_tqdm", False)
     for _ in range(2):
@@ -301,6 +302,7 @@ def test_runs_without_tqdm_and_says_once_how_to_get_bars(monkeypatch, capsys):
 
 
 def test_quiet_without_tqdm_says_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     monkeypatch.setitem(sys.modules, "tqdm", None)
     monkeypatch.setattr(_common, "_noted_no_tqdm", False)
     assert _bench.main(["--size", "tiny", "--repeats", "1", "--models", "gpt", "--quiet"]) == 0

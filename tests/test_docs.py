@@ -110,6 +110,7 @@ def test_readme_opens_with_the_choice_of_a_tool():
         "forget.plan(",
         "forget.cap(",
         "forget.checkpoint(",
+        "forget.apply_forget(",
         "forget.integrations.transformers.enable(",
         "chunk_loss(",
         "forget.chunked(",

@@ -367,7 +367,7 @@ def test_pareto_plots_plans_on_the_curves_axes_and_labels_measured_times(tmp_pat
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
     _plan.write_pareto([result], tmp_path / "p.png")
     (ax,) = figures[0].axes
-    assert ax.get_ylabel() == "time recomputation adds to a step (% of plain)"
+    assert ax.get_ylabel() == "time recomputation adds (% of plain)"
     budget_lines = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
     assert [line.get_xdata()[0] for line in budget_lines] == [
         row.budget_bytes / 2**20 for row in result.rows

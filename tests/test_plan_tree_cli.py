@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -147,7 +150,8 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     (ax,) = figures[0].axes
     # The title in two lines (one was cut off at the figure's edge), the axis in words.
     assert ax.get_title() == "plan_tree_encoder:with_loss\nNet, 7 candidate modules"
-    assert ax.get_ylabel() == "time recomputation adds to a step (% of plain)"
+    assert ax.get_ylabel() == "time recomputation adds (% of plain)"
+    _assert_laid_out(figures[0])
     budget_lines = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
     assert [line.get_xdata()[0] for line in budget_lines] == [
         plans[label].budget_bytes / 2**20 for label in ("0.7", "min", "6 GB")
@@ -172,6 +176,29 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert min(peaks) == payload["min_feasible_bytes"]
     # The plain step never ran (NOTE [tree figures]): its peak is predicted, above these.
     assert max(peaks) < payload["plain_peak_bytes"]
+
+
+def _assert_laid_out(fig):
+    """Every label inside the figure; the legend under the axes; no text over another."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    box = fig.bbox
+    extent = {
+        "y label": ax.yaxis.label.get_window_extent(renderer),
+        "x label": ax.xaxis.label.get_window_extent(renderer),
+        "title": ax.title.get_window_extent(renderer),
+        "legend": ax.get_legend().get_window_extent(renderer),
+    }
+    for name, part in extent.items():  # the y label was cut off at the figure's edges
+        assert box.x0 <= part.x0 and part.x1 <= box.x1, name
+        assert box.y0 <= part.y0 and part.y1 <= box.y1, name
+    # The legend covered the points: now it lies under the axes and their x label.
+    assert extent["legend"].y1 < extent["x label"].y0 < ax.get_window_extent(renderer).y0
+    for text in ax.texts:  # the budgets' names, above the axes, under the title
+        assert not text.get_window_extent(renderer).overlaps(extent["title"]), text.get_text()
 
 
 def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_clock, capsys):
@@ -402,6 +429,60 @@ def test_an_error_in_the_users_model_is_one_line_naming_the_call(
     )
 
 
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, as a user's is."""
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["file", "terminal"])
+def test_the_bar_is_cleared_before_the_error_and_drawn_only_on_a_terminal(
+    terminal, tmp_path, monkeypatch, capsys
+):
+    # NOTE [bars on a terminal] in forget._cli._common: not --quiet, so a bar where
+    # stderr is a terminal, none where it is a file (capsys's), whose log got every frame.
+    (tmp_path / "plan_tree_badfwd.py").write_text(BAD_FORWARD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FORGET_TRACEBACK", raising=False)
+    if terminal:
+        monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert cli_main(["plan", "plan_tree_badfwd.py:root", "--repeats", "1"]) == 2
+    err = sys.stderr.getvalue() if terminal else capsys.readouterr().err
+    line = "forget: the step of plan_tree_badfwd.py:root failed calling the model (Masked)"
+    head, sep, tail = err.partition(line)
+    assert sep and tail.endswith("the whole trace)\n") and "\n" not in tail[:-1]
+    if not terminal:
+        assert head == ""
+        return
+    # The bar was drawn, then its line cleared, the cursor at its start: the error has
+    # the line to itself.
+    frames = head.split("\r")
+    assert any(frame.startswith("forget plan:") for frame in frames)
+    assert frames[-1] == "" and frames[-2].strip() == ""
+
+
+def test_a_warning_goes_above_the_bar_and_the_bar_gives_warnings_back(monkeypatch):
+    pytest.importorskip("tqdm")
+    from forget._cli._common import Progress
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        before = warnings.showwarning
+        progress = Progress(2, enabled=True, desc="forget plan", unit="task")
+        warnings.warn("the model is in eval mode", UserWarning, stacklevel=1)
+        progress.update("profiled")
+        progress.close()
+        assert warnings.showwarning is before
+    err = sys.stderr.getvalue()
+    # The warning on a line of its own, the bar's frames around it, never on its line.
+    (warned,) = [line for line in err.split("\n") if "UserWarning: the model is" in line]
+    *bar, own = warned.split("\r")
+    assert bar[-1].strip() == ""  # the bar's line cleared first
+    assert own.startswith(__file__) and own.endswith(": UserWarning: the model is in eval mode")
+
+
 def test_traceback_prints_the_whole_trace_before_the_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "plan_tree_badfwd.py").write_text(BAD_FORWARD)
     monkeypatch.chdir(tmp_path)
@@ -427,24 +508,33 @@ def test_candidate_needs_a_target(capsys):
     assert "the reference models have none" in capsys.readouterr().err
 
 
-def test_below_the_plain_peak_the_plain_step_is_not_run(encoder_dir, fixed_clock, capsys):
-    # NOTE [the command within the budget]: the plain step would pass every budget.
-    out_json, png = encoder_dir / "plan.json", encoder_dir / "pareto.png"
+def test_below_the_plain_peak_the_plain_step_is_timed_beside_the_plans(
+    encoder_dir, fixed_clock, capsys
+):
+    # NOTE [the command within the budget]: every budget lies below the plain peak; the
+    # plain step is never profiled, and runs in the timing rounds beside the plans.
+    out_json = encoder_dir / "plan.json"
     argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "min", "--repeats", "1"]
-    assert cli_main([*argv, "--json", str(out_json), "--plot", str(png)]) == 0
+    assert cli_main([*argv, "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     payload = json.loads(out_json.read_text())
-    assert payload["plain_step_s"] is None
     (row,) = payload["budgets"]
-    assert row["measured_overhead"] is None and row["step_s"] > 0
+    plain_s, plan = payload["plain_step_s"], forget.TreePlan.from_dict(row["plan"])
+    assert plan.measured_peak_bytes < payload["plain_peak_bytes"]
+    assert plain_s > 0 and row["step_s"] > 0
+    # One round, paired: the plan's overhead is its time over plain's in that round.
+    assert row["measured_overhead"] == pytest.approx(row["step_s"] / plain_s - 1)
     assert (
-        ": Net over its module tree, 7 candidate modules; plain step not run (above every "
-        "budget), peak "
+        ": Net over its module tree, 7 candidate modules; plain step: "
+        f"{plain_s * 1e3:.3f} ms measured, {payload['plain_peak_bytes']:,} B peak predicted; "
+        "probe profiler, 1 repeats, "
     ) in out
     table = out[out.index(TABLE_HEADER.split()[0] + "  ") :].splitlines()
     cells = table[2].split()
-    assert cells[0] == "min" and cells[5] == "-" and cells[7] == "-"
+    assert cells[0] == "min"
+    assert cells[5] == f"{100 * plan.predicted_extra_s / plain_s:+.1f}%"
     assert float(cells[6]) == pytest.approx(1e3 * row["step_s"], abs=1e-3)
+    assert cells[7] == f"{100 * row['measured_overhead']:+.1f}%"
 
 
 def test_a_size_below_the_forward_without_grad_names_the_least(encoder_dir, capsys):

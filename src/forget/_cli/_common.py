@@ -13,11 +13,12 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.utils.checkpoint
@@ -113,20 +114,18 @@ def draw_plans(
     plain_peak_bytes: int,
     plans: Sequence[tuple[int, float, float | None]],
     budgets: Sequence[tuple[str, int]] = (),
-    unit: str = "%",
 ) -> None:
     """Finish a Pareto axis (peak MiB against step-time overhead %): plain, plans, budgets, labels.
 
     ``plans``: per plan, its measured peak in bytes, its predicted overhead and
-    its measured overhead, both fractions of the plain step's time. Like with
-    like: a plan is drawn where the curves are (measured peak, predicted time)
-    and again at its measured time, which carries the run's timing noise.
-    ``budgets``: ``(label, bytes)`` of each budget planned, a dashed vertical
-    line each, named at the top: a plan lies on or left of its budget's line.
-    ``unit``: ``"%"`` as above, or ``"ms"``: times are seconds added, the plain
-    step was not timed, and a plan's measured overhead is None (not drawn).
+    its measured overhead (None: not timed), both fractions of the plain step's
+    time. Like with like: a plan is drawn where the curves are (measured peak,
+    predicted time) and again at its measured time, which carries the run's
+    timing noise. ``budgets``: ``(label, bytes)`` of each budget planned, a
+    dashed vertical line each, named above the axes: a plan lies on or left of
+    its budget's line. The legend goes under the axes, where it covers no point
+    (the figure's constrained layout makes room for it).
     """
-    scale = 100.0 if unit == "%" else 1e3
     for i, (label, budget_bytes) in enumerate(budgets):
         ax.axvline(
             budget_bytes / MIB,
@@ -141,8 +140,10 @@ def draw_plans(
             label,
             (budget_bytes / MIB, 1.0),
             xycoords=("data", "axes fraction"),
-            xytext=(2, -10),
+            xytext=(0, 2),
             textcoords="offset points",
+            ha="center",
+            va="bottom",
             fontsize=7,
             color="gray",
         )
@@ -151,7 +152,7 @@ def draw_plans(
     )
     ax.plot(
         [peak / MIB for peak, _, _ in plans],
-        [scale * predicted for _, predicted, _ in plans],
+        [100 * predicted for _, predicted, _ in plans],
         "r*",
         markersize=11,
         label="our plans (measured peak, predicted time)",
@@ -160,16 +161,22 @@ def draw_plans(
     if timed:
         ax.plot(
             [peak / MIB for peak, _ in timed],
-            [scale * measured for _, measured in timed],
+            [100 * measured for _, measured in timed],
             "rx",
             markersize=7,
             label="our plans (measured peak, measured time, noisy)",
         )
     ax.set_xlabel("peak memory of one training step (MiB)")
-    what = "% of plain" if unit == "%" else "ms, predicted: the plain step was not run"
-    ax.set_ylabel(f"time recomputation adds to a step ({what})")
+    ax.set_ylabel("time recomputation adds (% of plain)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    # Under the axes by a fixed distance, past the tick labels and the x label (a share of
+    # the axes' height overlapped the label where the axes are short).
+    from matplotlib.transforms import ScaledTranslation
+
+    below = ax.transAxes + ScaledTranslation(0, -36 / 72, ax.figure.dpi_scale_trans)
+    ax.legend(
+        fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=below, frameon=False
+    )
 
 
 def wrote(path: Path, what: str) -> None:
@@ -185,23 +192,46 @@ _noted_no_tqdm = False
 
 
 class Progress:
-    """A tqdm bar when tqdm is installed and not ``--quiet``; otherwise nothing.
+    """A tqdm bar on a terminal, unless ``--quiet``; otherwise nothing.
 
-    Without tqdm the first bar of the process says once, on stderr, how to get one.
+    NOTE [bars on a terminal]: a bar redraws its one line with carriage returns,
+    which only a terminal reads as such: in a file or a pipe every frame stays,
+    and the line after the last one (an error, a warning) is glued to it. So a
+    bar is drawn only where stderr is a terminal, and while it is drawn Python's
+    warnings are written above it (``tqdm.write``), not across it. `close`
+    clears the bar's line and puts the warnings back; every command closes its
+    bar before it prints an error. Without tqdm, the first bar of the process
+    that a terminal would show says once, on stderr, how to get one.
     """
 
     def __init__(self, total: int, enabled: bool, desc: str, unit: str = "step") -> None:
         global _noted_no_tqdm
         self._bar: Any = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                if not _noted_no_tqdm:
-                    _noted_no_tqdm = True
-                    print(_NO_TQDM_NOTE, file=sys.stderr)
-                return
-            self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False)
+        self._showwarning: Any = None
+        if not enabled or not _on_terminal(sys.stderr):
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            if not _noted_no_tqdm:
+                _noted_no_tqdm = True
+                print(_NO_TQDM_NOTE, file=sys.stderr)
+            return
+        self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
+        self._showwarning = warnings.showwarning
+
+        def above_the_bar(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
+            text = warnings.formatwarning(message, category, filename, lineno, line)
+            tqdm.write(text.rstrip("\n"), file=sys.stderr)
+
+        warnings.showwarning = above_the_bar
 
     def update(self, label: str) -> None:
         """Count one unit of work done; ``label`` says which."""
@@ -210,9 +240,16 @@ class Progress:
             self._bar.update(1)
 
     def close(self) -> None:
-        """Remove the bar."""
+        """Clear the bar's line (the cursor at its start) and put the warnings back."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+            warnings.showwarning = self._showwarning
+
+
+def _on_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
 
 
 # ---------------------------------------------------------------- models

@@ -6,13 +6,15 @@ times each plan's step beside the plain one (NOTE [paired rounds]), prints
 each plan's tree (`forget.TreePlan`'s own text) and a table of the budgets,
 and writes ``--json`` and the Pareto PNG (``--pareto``/``--plot``).
 
-NOTE [the command within the budget]: as `forget.plan` (NOTE [planning within
-the budget] in `forget._planning`), the command never holds more than it is
-asked to plan for: the profile runs within the largest budget of ``--budgets``
-(`profile_budget`), and the plain step is timed beside the plans only where
-it fits that budget by its predicted peak. Where it does not, each plan's
-step is timed alone, in milliseconds, and no share of the plain step's time
-is printed.
+NOTE [the command within the budget]: the planning holds no more than
+`forget.plan` does (NOTE [planning within the budget] in `forget._planning`):
+the profile runs within the largest budget of ``--budgets`` (`profile_budget`),
+and the plain step is never profiled, so its peak is predicted. The table then
+gives each plan's cost over the plain step, which takes the plain step's time:
+it runs in the timing rounds beside the plans (NOTE [paired rounds]), and those
+rounds alone hold its peak, whatever the budgets. A plan's share of the plain
+step's time is only meaningful measured that way: a plain time taken apart,
+in other rounds, carries other noise.
 
 NOTE [factory contract]: the factory is called with no arguments (torch
 seeded by ``--seed``) and returns ``(model, batch)`` or ``(model, batch,
@@ -99,13 +101,8 @@ def run(
             progress.update("profiled")
             rows = plan_budgets(planner, labels, lambda label: progress.update(label))
             # NOTE [paired rounds], over twice the rounds a selection takes, as for chains.
-            largest = max(row.budget_bytes for row in rows)
-            plain_s, times = time_plans(
-                planner,
-                {r.label: r.plan for r in rows if r.plan is not None},
-                2 * args.repeats,
-                plain=planner.plain_peak <= largest,  # NOTE [the command within the budget]
-            )
+            plans = {r.label: r.plan for r in rows if r.plan is not None}
+            plain_s, times = time_plans(planner, plans, 2 * args.repeats)
             for row in rows:
                 row.step_s, row.overhead = times.get(row.label, (0.0, None))
             progress.update("timed")
@@ -128,11 +125,10 @@ def run(
         progress.close()
     least = planner.least()
     if not args.quiet:
-        timed = "not run (above every budget)" if plain_s is None else f"{plain_s * 1e3:.3f} ms"
         print(
             f"forget plan {spec}: {type(step.model).__name__} over its module tree, "
-            f"{len(planner.tree) - 1} candidate modules; plain step {timed}, "
-            f"peak {planner.plain_peak:,} B by the allocator ({planner.profile.probe}), predicted; "
+            f"{len(planner.tree) - 1} candidate modules; plain step: {plain_s * 1e3:.3f} ms "
+            f"measured, {planner.plain_peak:,} B peak predicted; probe {planner.profile.probe}, "
             f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}"
         )
         for name, policy in planner.policies.items():
@@ -152,10 +148,10 @@ def run(
     print(format_tree_table(rows, plain_s))
     if not args.quiet:
         print(
-            "peak: the allocator's peak of one training step under the plan, always <= budget; "
-            "expected: the re-runs the plan adds, from the profile, over the plain step's "
-            "measured time; step: its median time; measured: step time vs plain, side by "
-            "side, median of paired rounds (where the plain step fits the largest budget)."
+            "peak: the allocator's peak of one training step under the plan, measured, always "
+            "<= budget; expected: the re-runs the plan adds, from the profile, over the plain "
+            "step's measured time; step: its median time; measured: step time vs plain, side "
+            "by side, median of paired rounds. The plain step runs only in those rounds."
         )
     if args.json is not None:
         payload = tree_json(spec, step, planner, rows, plain_s)
@@ -214,23 +210,19 @@ def profile_budget(labels: Sequence[str]) -> int | str | None:
 
 
 def time_plans(
-    planner: TreePlanner, plans: Mapping[str, TreePlan], rounds: int, *, plain: bool = True
-) -> tuple[float | None, dict[str, tuple[float, float | None]]]:
+    planner: TreePlanner, plans: Mapping[str, TreePlan], rounds: int
+) -> tuple[float, dict[str, tuple[float, float]]]:
     """The plain step's median seconds, and each plan's median seconds and overhead over it.
 
     NOTE [paired rounds] (`forget._planning.paired_overheads`): the plain step
     runs in every round beside the plans, and a plan's overhead in a round is
     its time over plain's in that round, minus one. Plans are applied and
     removed between steps, untimed (``prepare``); the model is left as it was.
-    Without ``plain`` (a plain step that would not fit: NOTE [the command within
-    the budget]) the plans run alone: no plain time, no overheads (None).
     """
     step = planner.step
     model, target = step.model, step.target()
-    calls: dict[str | None, Callable[[], object]] = {None: step.run} if plain else {}
+    calls: dict[str | None, Callable[[], object]] = {None: step.run}
     calls.update(dict.fromkeys(plans, step.run))
-    if not calls:
-        return None, {}
     applied: list[str] = []
 
     def prepare(key: str | None) -> None:
@@ -247,10 +239,8 @@ def time_plans(
         finally:
             if applied:
                 plans[applied.pop()].remove(model)
-    if not plain:
-        return None, {str(key): (statistics.median(ts), None) for key, ts in times.items()}
     base = times.pop(None)
-    figures: dict[str, tuple[float, float | None]] = {
+    figures: dict[str, tuple[float, float]] = {
         str(key): (
             statistics.median(ts),
             statistics.median(t / b - 1 for t, b in zip(ts, base, strict=True)),
@@ -263,11 +253,8 @@ def time_plans(
 # ------------------------------------------------------------------ output
 
 
-def format_tree_table(rows: Sequence[TreeBudget], plain_s: float | None) -> str:
-    """The budgets as one aligned table: bytes, peak over budget, expected and measured time.
-
-    Without ``plain_s`` (the plain step not run) the shares of its time are ``-``.
-    """
+def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
+    """The budgets as one aligned table: bytes, peak over budget, expected and measured time."""
     header = (
         "budget",
         "budget B",
@@ -292,7 +279,7 @@ def format_tree_table(rows: Sequence[TreeBudget], plain_s: float | None) -> str:
                 f"{plan.measured_peak_bytes:,}",
                 f"{plan.measured_peak_bytes / row.budget_bytes:.3f}",
                 f"{plan.predicted_extra_s * 1e3:.3f}",
-                "-" if plain_s is None else f"{100 * plan.predicted_extra_s / plain_s:+.1f}%",
+                f"{100 * plan.predicted_extra_s / plain_s:+.1f}%",
                 f"{row.step_s * 1e3:.3f}",
                 "-" if row.overhead is None else f"{100 * row.overhead:+.1f}%",
                 f"{len(plan.choices)} of {len(plan.tree) - 1}",
@@ -313,7 +300,7 @@ def tree_json(
     step: UserStep,
     planner: TreePlanner,
     rows: Sequence[TreeBudget],
-    plain_s: float | None,
+    plain_s: float,
 ) -> dict[str, Any]:
     """The run as JSON: each budget's plan (`TreePlan.to_dict`) and every assignment measured."""
     budgets: list[dict[str, Any]] = []
@@ -342,23 +329,21 @@ def tree_json(
 
 
 def write_tree_pareto(
-    spec: str, planner: TreePlanner, rows: Sequence[TreeBudget], plain_s: float | None, path: Path
+    spec: str, planner: TreePlanner, rows: Sequence[TreeBudget], plain_s: float, path: Path
 ) -> None:
     """Write a PNG: the allocator's peak against step-time overhead, for this model.
 
     Every assignment the planner measured is a dot (its allocator peak, its
     predicted re-runs over the plain step's measured time), the least of them
     joined into the measured trade-off curve; the baseline that forgets every
-    innermost candidate, plain, and the plans as in the chain plot (`draw_plans`).
-    Without ``plain_s`` (NOTE [the command within the budget]) times are in
-    milliseconds added, and the plans' measured times are not drawn.
+    innermost candidate, plain, and the plans as in the chain plot (`draw_plans`,
+    which puts the legend under the axes, off the points).
     """
     from matplotlib.figure import Figure  # lazy: an optional extra
 
-    fig = Figure(figsize=(6.4, 4.8), layout="constrained")
+    fig = Figure(figsize=(6.4, 6.0), layout="constrained")
     ax = fig.subplots()
-    # y: a share of the plain step's time in %, or milliseconds where it was not timed
-    scale = 1e3 if plain_s is None else 100 / plain_s
+    scale = 100 / plain_s  # y: a share of the plain step's time, in %
     points = sorted(
         (peak / MIB, scale * planner.extra_s(choices))
         for choices, peak in planner.measured.values()
@@ -395,12 +380,8 @@ def write_tree_pareto(
     draw_plans(
         ax,
         planner.plain_peak,
-        [
-            (p.measured_peak_bytes, p.predicted_extra_s / (plain_s or 1.0), over)
-            for p, over in plans
-        ],
+        [(p.measured_peak_bytes, p.predicted_extra_s / plain_s, over) for p, over in plans],
         [(r.label, r.budget_bytes) for r in rows if r.plan is not None],
-        unit="%" if plain_s is not None else "ms",
     )
     model = type(planner.step.model).__name__
     # Two short lines, each wrapped to the figure's width: one long line was cut off.
@@ -412,6 +393,7 @@ def write_tree_pareto(
             ]
         ),
         fontsize=9,
+        pad=12,  # above the budgets' names (`draw_plans`)
     )
     fig.suptitle("forget plan: peak memory vs time added by recomputation")
     fig.savefig(path, dpi=120)

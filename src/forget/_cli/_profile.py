@@ -150,9 +150,8 @@ def write_timeline(
 
     fig = Figure(figsize=(10, 4.8), layout="constrained")
     ax = fig.subplots()
-    for samples, label, color in (
-        (plain, "plain", "tab:blue"),
-        (planned, "planned (forget)", "tab:red"),
+    for row, (samples, label, color) in enumerate(
+        ((plain, "plain", "tab:blue"), (planned, "planned (forget)", "tab:red"))
     ):
         if not samples:
             continue
@@ -163,12 +162,15 @@ def write_timeline(
         start = next((x for x, (_, bwd) in zip(xs, samples, strict=True) if bwd), None)
         if start is not None:
             ax.axvline(start, color=color, linestyle=":", linewidth=1)
+            # Named at the foot of the axes, one row per step: a step's memory is at its
+            # highest where its backward starts, so a name at its peak crossed its line.
             ax.annotate(
-                "backward starts",
-                (start, peak),
+                f"{label}: backward starts",
+                (start, 0.0),
+                xycoords=("data", "axes fraction"),
                 color=color,
                 fontsize=8,
-                xytext=(4, -12),
+                xytext=(4, 4 + 11 * row),
                 textcoords="offset points",
             )
     if plan is not None:

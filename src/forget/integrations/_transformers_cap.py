@@ -4,7 +4,8 @@ NOTE [cap in force]: `cap` puts a `forget.cap` on the model (regions evicted
 at run time to keep each step under the cap, whatever its shapes; no planning
 run) and is otherwise as `enable` with a budget: transformers' own
 checkpointing is off and stays off, and the door keeps the cap through
-``Trainer(gradient_checkpointing=True)`` and raises for what it would lose.
+``TrainingArguments(activation_checkpointing=True)`` (``gradient_checkpointing``
+before transformers 5) and raises for what it would lose.
 `enable` removes it (and checkpoints layers or plans); `disable` removes it.
 Should putting in a cap or a plan fail, the cap that was in force comes back
 as it was, the very handle with its settings and what it learned.
