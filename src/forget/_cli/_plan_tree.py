@@ -53,7 +53,6 @@ from ._common import (
     above_plain_note,
     draw_plans,
     load_step,
-    percent_hint,
     resolve_budget,
     step_error,
     wrote,
@@ -112,8 +111,7 @@ def run(
     except BudgetInfeasibleError as exc:  # the profile's forward passed the largest budget
         progress.close()
         print(
-            f"forget plan: no budget of {spec} could be planned: {exc}"
-            + next(filter(None, map(percent_hint, labels)), ""),
+            f"forget plan: no budget of {spec} could be planned: {exc}",
             file=sys.stderr,
         )
         return 2
@@ -142,7 +140,7 @@ def run(
         if row.plan is None:
             print(
                 f"infeasible: the budget {row.budget_bytes:,} B is below the least feasible "
-                f"one, {least:,} B; --budgets min plans at it{percent_hint(row.label)}"
+                f"one, {least:,} B; --budgets min plans at it"
             )
         else:
             print(row.plan)
@@ -168,7 +166,7 @@ def run(
         print(
             f"forget plan: no budget of {spec} could be planned: each lies below the smallest "
             f"feasible one, {least:,} B (plain peak {planner.plain_peak:,} B); --budgets min "
-            "plans at it" + next(filter(None, (percent_hint(r.label) for r in rows)), ""),
+            "plans at it",
             file=sys.stderr,
         )
         return 2
