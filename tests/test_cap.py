@@ -569,6 +569,7 @@ def test_the_cap_and_a_plan_agree_on_the_least(use_cache: bool) -> None:
     # copies of the cache: one layer's, here, each (2, 64, 32) in float.
     copies = 2 * (2 * 64 * 32 * 4) if use_cache else 0
     assert (f"Of that, {copies:,} B are tensors that regions keep" in message) == use_cache
+    assert "That is the count alone: kernels' workspaces" in message  # nothing read yet
     # Within 1 % of the plan's least (named 10 % above it before these NOTEs).
     assert abs(named - copies - least) <= least // 100, (named, copies, least)
     assert handle.last_step is not None

@@ -545,10 +545,10 @@ class Step:
                     f"forget: the cap of {self.budget_bytes:,} B cannot hold this step: at "
                     f"{where}, with every region it could evict evicted, the step needs at "
                     f"least {estimate:,} B (held now and kept in reserve for gradients and "
-                    f"backward's re-runs, NOTE [the cap's count]).{self._copies_note()} "
-                    "Raise the cap to at least that (handle.set_budget), or give the step "
-                    "smaller inputs. The model's parameters and buffers are as they were "
-                    "before this step."
+                    f"backward's re-runs, NOTE [the cap's count]).{self._copies_note()}"
+                    f"{self._unread_note()} Raise the cap to at least {estimate:,} B "
+                    "(handle.set_budget), or give the step smaller inputs. The model's "
+                    "parameters and buffers are as they were before this step."
                 )
             self._evict(*victim)
             estimate = self.estimate_bytes(last)
@@ -571,6 +571,16 @@ class Step:
             "values: NOTE [copies in the count]); a plan (forget.plan) that forgets the "
             "module around those regions keeps none, so it may fit in less, and a model "
             "run without its cache (use_cache=False) has none to keep."
+        )
+
+    def _unread_note(self) -> str:
+        """On CPU, before any allocator record taught the count: what it cannot see."""
+        if self.cuda is not None or self.extra_bytes or self.workspace:
+            return ""
+        return (
+            " That is the count alone: kernels' workspaces, which it cannot see, are "
+            "learned from the allocator's record of a step that runs (NOTE [what the count "
+            "misses]), so a cap of exactly that may name a little more at its second step."
         )
 
     def _evictable(self) -> Iterator[tuple[Entry, DroppableRegion]]:
