@@ -110,9 +110,28 @@ def _chain() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
     return torch.nn.Sequential(*blocks), (torch.randn(128, 64),), {}
 
 
+def _llama_lm() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """Issue 45's Llama, small: its config's defaults but the sizes (the cache on)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=86,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=512,
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (2, 64))
+    return transformers.LlamaForCausalLM(config).train(), (), {"input_ids": ids, "labels": ids}
+
+
 def _planned(name: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
     if name == "sequential":
         return _chain()
+    if name == "llama-lm":
+        pytest.importorskip("transformers")
+        return _llama_lm()
     torch.manual_seed(0)
     model, inputs = _model(name)
     return model, (), inputs
@@ -120,13 +139,27 @@ def _planned(name: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any
 
 @pytest.mark.parametrize(
     ("name", "budget"),
-    [("sequential", 1024), ("net", 200_000), ("llama", 1024), ("resnet", 1024)],
-    ids=["sequential", "net-search-stopped", "llama-forward-stopped", "resnet-forward-stopped"],
+    [
+        ("sequential", 1024),
+        ("net", 200_000),
+        ("llama", 1024),
+        ("resnet", 1024),
+        ("llama-lm", "50%"),
+    ],
+    ids=[
+        "sequential",
+        "net-search-stopped",
+        "llama-forward-stopped",
+        "resnet-forward-stopped",
+        "llama-lm-half",
+    ],
 )
 def test_an_infeasible_budget_names_one_at_which_planning_works_the_first_time(name, budget):
     # NOTE [an infeasible budget named]: the error names no bound where the guard
     # stopped, but the least peak measured, under the predicted plain peak; planning
-    # there works at once, and a byte below it names it again.
+    # there works at once, and a byte below it names it again. At half the plain peak
+    # (issue 45's Llama) the search stops every step at the budget: measured under it,
+    # the least was the cost model's, 5,056 B short of the least measured.
     model, args, kwargs = _planned(name)
     plain_model = copy.deepcopy(model)
     plain = forget.measure(lambda: _loss(plain_model(*args, **kwargs)).backward()).peak_bytes
@@ -139,6 +172,8 @@ def test_an_infeasible_budget_names_one_at_which_planning_works_the_first_time(n
         ledger.close()
     held = ledger.peak
     named = info.value.min_feasible_bytes
+    if isinstance(budget, str):  # a share of the predicted plain peak
+        budget = info.value.budget_bytes
     assert info.value.budget_bytes == budget < named
     assert str(info.value).startswith(f"forget: the budget {budget:,} B is below")
     assert f"plan with a budget of {named:,} B or more" in str(info.value)
@@ -147,6 +182,7 @@ def test_an_infeasible_budget_names_one_at_which_planning_works_the_first_time(n
     assert held <= plain * 1.01, f"naming the budget held {held:,} B, plain {plain:,} B"
     plan = forget.plan(model, *args, budget=named, repeats=1, **kwargs)
     assert plan.measured_peak_bytes <= plan.budget_bytes == named
+    assert "an estimate" not in str(info.value)
     with pytest.raises(forget.BudgetInfeasibleError) as info:
         forget.plan(model, *args, budget=named - 1, repeats=1, **kwargs)
     assert info.value.min_feasible_bytes == named

@@ -92,9 +92,10 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
 
     monkeypatch.setattr(Figure, "savefig", keep)
     out_json, png = encoder_dir / "plan.json", encoder_dir / "pareto.png"
-    # 0.7: a share of the plain peak, as the Python API reads it; 60: bytes, as any
-    # number without a unit; 6 GB: above the plain peak.
-    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "0.7,60,min,6 GB", "--repeats", "1"]
+    # 0.7: a share of the plain peak, as the Python API reads it; 60B: bytes (a bare 60
+    # is refused: NOTE [a bare number]); 6 GB: above the plain peak.
+    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "0.7,60B,min,6 GB"]
+    argv += ["--repeats", "1"]
     argv += ["--quiet", "--json", str(out_json), "--plot", str(png)]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
@@ -106,9 +107,9 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert payload["candidates"] == 7
     assert list(payload["options"]) == ["selective", "regenerate"]  # NOTE [default options]
     rows = {row["budget"]: row for row in payload["budgets"]}
-    assert list(rows) == ["0.7", "60", "min", "6 GB"]
-    assert rows["60"] == {
-        "budget": "60",
+    assert list(rows) == ["0.7", "60B", "min", "6 GB"]
+    assert rows["60B"] == {
+        "budget": "60B",
         "budget_bytes": 60,
         "infeasible": True,
         "min_feasible_bytes": payload["min_feasible_bytes"],
@@ -126,9 +127,8 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert set(plans["min"].choices) >= {f"encoder.layers.{i}" for i in range(2)}
     assert "      encoder.layers.0 (Block) " in out  # indented two levels below the model
     assert (
-        "plan_tree_encoder:with_loss @ 60:\ninfeasible: the budget 60 B is below the "
-        f"least feasible one, {payload['min_feasible_bytes']:,} B; --budgets min plans at it; "
-        "did you mean 60%?\n"
+        "plan_tree_encoder:with_loss @ 60B:\ninfeasible: the budget 60 B is below the "
+        f"least feasible one, {payload['min_feasible_bytes']:,} B; --budgets min plans at it\n"
     ) in out
     # Above the plain peak: the plain step, and a line under it that says why.
     assert plans["6 GB"].choices == {}
@@ -139,7 +139,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     table = out[out.index(TABLE_HEADER.split()[0] + "  ") :].splitlines()
     assert table[0].split() == TABLE_HEADER.split()
     assert set(table[1]) <= {"-", " "}
-    assert [line.split()[0] for line in table[2:6]] == ["0.7", "60", "min", "6"]
+    assert [line.split()[0] for line in table[2:6]] == ["0.7", "60B", "min", "6"]
     assert table[3].split()[-1] == "infeasible"
     assert table[4].split()[3] == "1.000"  # min: the peak is the budget
     assert out.splitlines()[-2:] == [
@@ -205,7 +205,7 @@ def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_cloc
     out_json = encoder_dir / "plan.json"
     argv = ["plan", str(encoder_dir / "plan_tree_encoder.py") + ":tensor_batch"]
     # A size and a share: the profile runs unbounded (`profile_budget`), both infeasible.
-    argv += ["--candidate", "encoder.layers.?", "--budgets", "100,1%", "--repeats", "1"]
+    argv += ["--candidate", "encoder.layers.?", "--budgets", "100B,1%", "--repeats", "1"]
     assert cli_main([*argv, "--quiet", "--no-options", "--json", str(out_json)]) == 2
     captured = capsys.readouterr()
     payload = json.loads(out_json.read_text())
@@ -217,7 +217,7 @@ def test_plan_file_path_candidates_and_no_budget_planned(encoder_dir, fixed_cloc
     assert captured.err.splitlines()[-1] == (
         f"forget plan: no budget of {argv[1]} could be planned: each lies below the smallest "
         f"feasible one, {payload['min_feasible_bytes']:,} B (plain peak "
-        f"{payload['plain_peak_bytes']:,} B); --budgets min plans at it; did you mean 100%?"
+        f"{payload['plain_peak_bytes']:,} B); --budgets min plans at it"
     )
 
 
@@ -349,6 +349,7 @@ ERRORS = textwrap.dedent(
         ("plan_tree_errors:vector_loss", [], "loss_fn(output) must be a floating tensor with one"),
         ("plan_tree_errors:alone", ["--split", "--size", "tiny"], "--size, --split plan the"),
         ("plan_tree_errors:alone", ["--budgets", "lots"], "cannot read the budget"),
+        ("plan_tree_errors:alone", ["--budgets", "50"], "'50%' for a share of the plain step"),
         (
             "plan_tree_errors:alone",
             ["--option", "s=LINEAR", "--no-options"],
@@ -542,13 +543,13 @@ def test_a_size_below_the_forward_without_grad_names_the_least(encoder_dir, caps
     # without grad passes 100 B, which is then infeasible, and the least is measured
     # under the predicted plain peak (NOTE [an infeasible budget named]).
     out_json = encoder_dir / "plan.json"
-    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "100,60", "--repeats", "1"]
+    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "100B,60B", "--repeats", "1"]
     assert cli_main([*argv, "--quiet", "--json", str(out_json)]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     payload = json.loads(out_json.read_text())
     assert err == (
         "forget plan: no budget of plan_tree_encoder:with_loss could be planned: each lies "
         f"below the smallest feasible one, {payload['min_feasible_bytes']:,} B (plain peak "
-        f"{payload['plain_peak_bytes']:,} B); --budgets min plans at it; did you mean 100%?"
+        f"{payload['plain_peak_bytes']:,} B); --budgets min plans at it"
     )
     assert payload["min_feasible_bytes"] > 100

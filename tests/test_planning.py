@@ -525,6 +525,36 @@ def test_bad_budgets(budget, error):
         P.parse_budget(budget, 1000)
 
 
+@pytest.mark.parametrize("budget", ["1", "50", " 60 ", "100"])
+def test_a_bare_number_that_reads_as_a_share_too_is_refused(budget):
+    # NOTE [a bare number]: "50" is 50 bytes or 50 %; neither is guessed, both are named.
+    n = budget.strip()
+    message = (
+        f"forget: the budget {budget!r} is a number with no unit, which would be {n} bytes, "
+        f"and no training step fits in {n} bytes (NOTE [a bare number]); write '{n}%' for a "
+        f"share of the plain step's peak, or '{n}B' (or the int {n}) for bytes"
+    )
+    with pytest.raises(ValueError) as info:
+        P.parse_budget(budget, 1000)
+    assert str(info.value) == message
+    # Each of the ways it names reads as it says; an int is bytes at any size.
+    assert P.parse_budget(f"{n}%", 1000) == 10 * int(n)
+    assert P.parse_budget(f"{n}B", 1000) == P.parse_budget(int(n), 1000) == int(n)
+    assert P.parse_budget("101", 1000) == 101 and P.parse_budget("1000") == 1000
+
+
+@pytest.mark.parametrize("verb", ["plan", "cap"])
+def test_the_api_refuses_a_bare_number_before_any_work(verb):
+    # The one reader (`forget._memory.budget_bytes`) gives plan and cap the same refusal.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="write '50%' for a share of the plain step's peak"):
+        if verb == "plan":
+            forget.plan(model, torch.randn(2, 4), budget="50")
+        else:
+            forget.cap(model, "50")
+    assert all("forward" not in vars(m) for m in model.modules())  # nothing wrapped
+
+
 @pytest.mark.parametrize(
     ("budget", "share"),
     [(0.5, 0.5), ("25%", 0.25), ("0.6", 0.6), (1000, None), ("1000", None), ("2GB", None)],

@@ -86,6 +86,68 @@ def test_an_output_without_loss_needs_loss_fn_and_the_model_is_left_untouched():
         forget.plan(llama, budget="70%", input_ids=inputs["input_ids"])
 
 
+class _TakesADict(nn.Module):
+    """A model whose forward takes its batch as one dict, on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(3)
+        )
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        h = batch["x"]
+        for layer in self.layers:
+            h = h + layer(h)
+        return h.square().mean()
+
+
+def test_a_batch_passed_positionally_says_to_pass_it_as_keywords():
+    # NOTE [a batch passed positionally]: the model's own error, on a dict whose keys
+    # are its forward's keywords, becomes one line that names the fix.
+    llama, inputs = _llama()
+    before = _snapshot(llama)
+    with pytest.raises(TypeError) as info:
+        forget.plan(llama, inputs, budget="50%", repeats=1)
+    assert str(info.value).startswith(
+        "forget: plan ran LlamaForCausalLM with its positional input 0 a dict of "
+        "input_ids, labels, and the model's forward failed on it (TypeError: "
+    )
+    assert str(info.value).endswith(
+        "those keys are its forward's keyword inputs, so pass the batch as keywords: "
+        "forget.plan(model, **batch, budget=...) (NOTE [a batch passed positionally])"
+    )
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value.__cause__, TypeError)  # torch's, kept as the cause
+    assert not str(info.value.__cause__).startswith("forget:")
+    _assert_untouched(llama, before)
+    # A model that takes a dict is planned as it is, and its own errors stay its own.
+    model = _TakesADict().train()
+    batch = {"x": torch.randn(64, 8)}
+    plan = forget.plan(model, batch, budget="70%", repeats=1)
+    assert plan.measured_peak_bytes <= plan.budget_bytes
+    with pytest.raises(KeyError, match="'x'"):
+        forget.plan(model, {"y": batch["x"]}, budget="70%", repeats=1)
+
+
+def test_a_model_in_eval_mode_warns_that_the_plan_is_not_the_training_steps():
+    # NOTE [the step as given]: planned as it is, with a warning at the user's call.
+    model, inputs = _net()
+    model.eval()
+    with pytest.warns(UserWarning, match="is in eval mode") as record:
+        plan = forget.plan(model, budget="70%", repeats=1, **inputs)
+    (warning,) = [w for w in record if "eval mode" in str(w.message)]
+    assert str(warning.message) == (
+        "forget: Net is in eval mode (model.training is False), and the step is planned as "
+        "given: dropout off and BatchNorm on its running statistics, so a plan made here "
+        "fits the eval-mode step, not the training step, which may hold more (NOTE [the "
+        "step as given]); call model.train() before planning to plan the training step"
+    )
+    assert warning.filename == __file__  # the user's line, not the planner's
+    assert not model.training and plan.measured_peak_bytes <= plan.budget_bytes
+    forget.plan(model.train(), budget="70%", repeats=1, **inputs)  # no warning: errors
+
+
 def test_chain_and_tree_arguments_are_not_mixed():
     model, inputs = _net()
     with pytest.raises(TypeError, match="chain= and split="):

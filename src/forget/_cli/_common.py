@@ -10,7 +10,6 @@ import contextlib
 import importlib
 import importlib.util
 import os
-import re
 import sys
 import traceback
 import warnings
@@ -47,16 +46,6 @@ def resolve_budget(label: str, plain_peak_bytes: int, min_feasible_bytes: int) -
     if label == "min":
         return min_feasible_bytes
     return read_budget(label, plain_peak_bytes, None)
-
-
-def percent_hint(label: str) -> str:
-    """``"; did you mean 60%?"`` for a bare ``60`` (read as bytes), else ``""``.
-
-    A whole number from 1 to 100 without a unit is read as bytes, like any
-    other, and no step fits in 100 bytes: a user who wrote it meant a share.
-    """
-    whole = re.fullmatch(r"\s*(100|[1-9][0-9]?)\s*", label)
-    return f"; did you mean {label.strip()}%?" if whole else ""
 
 
 def above_plain_note(budget_bytes: int, plain_peak_bytes: int) -> str:

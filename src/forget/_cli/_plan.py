@@ -49,7 +49,6 @@ from ._common import (
     model_and_inputs,
     parse_option,
     parse_setting,
-    percent_hint,
     require_matplotlib,
     resolve_budget,
     step_error,
@@ -577,8 +576,7 @@ def main(argv: Sequence[str]) -> int:
         print(
             f"forget plan: no budget of {r.name} could be planned: each lies below the "
             f"smallest feasible one, {r.min_feasible_bytes:,} B (plain peak "
-            f"{r.plain_peak_bytes:,} B); --budgets min plans at it"
-            + next(filter(None, (percent_hint(row.label) for row in r.rows)), ""),
+            f"{r.plain_peak_bytes:,} B); --budgets min plans at it",
             file=sys.stderr,
         )
     return 2 if unplanned else 0

@@ -55,7 +55,6 @@ from ._common import (
     above_plain_note,
     draw_plans,
     load_step,
-    percent_hint,
     resolve_budget,
     step_error,
     wrote,
@@ -109,8 +108,7 @@ def run(
     except BudgetInfeasibleError as exc:  # the profile's forward passed the largest budget
         progress.close()
         print(
-            f"forget plan: no budget of {spec} could be planned: {exc}"
-            + next(filter(None, map(percent_hint, labels)), ""),
+            f"forget plan: no budget of {spec} could be planned: {exc}",
             file=sys.stderr,
         )
         return 2
@@ -138,7 +136,7 @@ def run(
         if row.plan is None:
             print(
                 f"infeasible: the budget {row.budget_bytes:,} B is below the least feasible "
-                f"one, {least:,} B; --budgets min plans at it{percent_hint(row.label)}"
+                f"one, {least:,} B; --budgets min plans at it"
             )
         else:
             print(row.plan)
@@ -164,7 +162,7 @@ def run(
         print(
             f"forget plan: no budget of {spec} could be planned: each lies below the smallest "
             f"feasible one, {least:,} B (plain peak {planner.plain_peak:,} B); --budgets min "
-            "plans at it" + next(filter(None, (percent_hint(r.label) for r in rows)), ""),
+            "plans at it",
             file=sys.stderr,
         )
         return 2

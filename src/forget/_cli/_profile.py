@@ -36,7 +36,6 @@ from ._common import (
     check_budget,
     check_factory_output,
     model_and_inputs,
-    percent_hint,
     require_matplotlib,
     resolve_budget,
     step_error,
@@ -381,8 +380,7 @@ def _print_plan(
 ) -> str:
     """Print the plan, or why there is none (on stderr); what the files say where there is none."""
     if plan is None:
-        hint = percent_hint(args.budget)
-        print(f"{infeasible}; --budget min plans at the smallest{hint}", file=sys.stderr)
+        print(f"{infeasible}; --budget min plans at the smallest", file=sys.stderr)
     else:
         print(plan)
         if plan.budget_bytes >= plain_peak_bytes:

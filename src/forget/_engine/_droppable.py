@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._arguments import tensors_in
 from ._region import Region
 from ._selective import _KeptDraw
 from ._slots import DroppableSlot, KeptSlot, Slot
@@ -54,6 +55,9 @@ class DroppableRegion(Region):
             (a runtime tells the inputs of inner regions among them).
         kept_output_bytes: bytes of each storage its policy keeps (NOTE [partial
             drops]), in a slot or not: they stay through a partial drop.
+        copied_bytes: bytes of each storage held by the copies of the arguments it
+            may change, kept for its re-runs (NOTE [arguments that change]): a key/value
+            cache's earlier keys and values; they stay while the region lives.
         dropped: whether a full `drop` ran.
         partly_dropped: whether a partial `drop` ran (and no full one).
     """
@@ -71,6 +75,11 @@ class DroppableRegion(Region):
         self.held_slots: dict[StorageKey, int] = {}
         self.kept_output_bytes: dict[StorageKey, int] = {}
         self._kept_indices: set[int] = set()  # the slots holding a kept output
+        self.copied_bytes: dict[StorageKey, int] = {}
+        for i in self._changing:
+            for t in tensors_in(self._flat[i]):
+                if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None:
+                    self.copied_bytes.setdefault(storage_key(t), s.nbytes())
         self.dropped = False
         self.partly_dropped = False
         self._released = False  # `release_kept` ran

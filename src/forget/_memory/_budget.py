@@ -4,7 +4,9 @@ shares of the plain step's peak, and ``"free"`` on CUDA.
 NOTE [one budget]: a budget means the same thing wherever forget takes one.
 Bytes are an ``int``; a size counts decimal units in powers of 1000 (``"2GB"``)
 and binary ones in powers of 1024 (``"512MiB"``), as the units say
-(`forget.schedules.parse_budget`, the pure part, which has no torch). A share
+(`forget.schedules.parse_budget`, the pure part, which has no torch); a string
+from ``"1"`` to ``"100"`` with no unit is refused, naming ``"50%"`` and ``"50B"``
+(NOTE [a bare number] in `forget.schedules`). A share
 (``"50%"``, ``0.5``) is of the plain step's peak, predicted, since the plain step
 is what does not fit: for `plan` and `enable` the planner's prediction, for
 `cap` its own, per shape (NOTE [a share of the cap]); each by the figure the

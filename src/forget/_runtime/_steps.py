@@ -34,6 +34,26 @@ step's estimate, read as its backward ends (not after the optimizer's step,
 whose state is not the step's), joins the next steps' reserve. On CPU some steps
 read the allocator's record instead (NOTE [what the count misses]). Figures:
 benchmarks/measured.md, "forget.cap".
+
+NOTE [the output's gradients]: backward reaches a region with its output's
+gradient, which the op after it (a head's loss) makes beside a gradient of its
+own: two of the output's size, before the region has made any parameter
+gradient; inside the region come two gradients of its largest tensor, with its
+parameters' gradients; and the output's gradient is still there as those come.
+So the term at a region with none inside it is the largest of the three
+moments, each with the gradients made by then. Counting the output's two
+gradients beside the region's own parameter gradients (a head's logits beside
+its weight's gradient) counted bytes no step holds at once, and named a least
+above the one a plan measures.
+
+NOTE [copies in the count]: a region keeps, for its re-runs, a copy of each
+argument it may change (NOTE [arguments that change]): a key/value cache, with
+every earlier layer's keys and values. The copy lives as long as the region,
+evicted or not, so the count holds those tensors as the region's, as it holds
+its inputs: evicting the layer that made them frees them only once no later
+layer's copy holds them. A plan that forgets the module around the layers runs
+no layer as a region and keeps no copy, so a cap's least can lie above a
+plan's by those bytes; the cap's error says how many.
 """
 
 from __future__ import annotations
@@ -128,6 +148,7 @@ class Step:
         # storage key -> [bytes, holders]; the count of ``now`` on CPU.
         self._live: dict[StorageKey, list[int]] = {}
         self._outside: dict[StorageKey, int] = {}
+        self._copied: dict[StorageKey, int] = {}  # held by the regions' argument copies
         # storage key -> the regions holding or keeping it (NOTE [the cap's count]).
         self._holders: defaultdict[StorageKey, list[Entry]] = defaultdict(list)
         self.now_bytes = 0
@@ -259,9 +280,12 @@ class Step:
         # NOTE [partial evictions]: what its policy keeps is held too, in a slot or not.
         held = {**region.kept_output_bytes, **region.held_bytes}
         kept, holders = region.kept_bytes, self._holders
+        copied = region.copied_bytes  # NOTE [arguments that change]: for its re-runs
         self._add_all(held)
         self._add_all(kept)  # inputs: they stay while the region lives
-        for key in (*held, *kept):
+        self._add_all(copied)  # so do the copies: evicting the region that made them
+        self._copied.update(copied)  # leaves them held (NOTE [copies in the count])
+        for key in (*held, *kept, *copied):
             holders[key].append(entry)
         entry.keys = held
         entry.part = {k: n for k, n in region.kept_output_bytes.items() if k not in entry.inputs}
@@ -425,7 +449,10 @@ class Step:
                         if outer.released.get(key, i) <= i
                     )
                 outer = outer.parent
-            term = fixed + later[i] + running + rebuilt + 2 * max(entry.largest, entry.out)
+            # NOTE [the output's gradients]: where they come, and with which gradients.
+            after = later[i + 1] if i + 1 < len(later) else 0
+            work = max(2 * entry.out + after, 2 * entry.largest + later[i], entry.out + later[i])
+            term = fixed + running + rebuilt + work
             hard, soft = self.workspace.get(entry.name, (0, 0))
             self.terms[i] = term - self._extra()  # NOTE [what the count misses]
             term += hard + (soft if self._soft else 0)
@@ -518,8 +545,9 @@ class Step:
                     f"forget: the cap of {self.budget_bytes:,} B cannot hold this step: at "
                     f"{where}, with every region it could evict evicted, the step needs at "
                     f"least {estimate:,} B (held now and kept in reserve for gradients and "
-                    "backward's re-runs, NOTE [the cap's count]). Raise the cap to at least "
-                    "that (handle.set_budget), or give the step smaller inputs. The model's "
+                    f"backward's re-runs, NOTE [the cap's count]).{self._copies_note()}"
+                    f"{self._unread_note()} Raise the cap to at least {estimate:,} B "
+                    "(handle.set_budget), or give the step smaller inputs. The model's "
                     "parameters and buffers are as they were before this step."
                 )
             self._evict(*victim)
@@ -531,13 +559,54 @@ class Step:
                 self.counts[self.boundaries] = self.now_bytes + self._loose_bytes()
                 self.mark(f"b{self.boundaries}")
 
+    def _copies_note(self) -> str:
+        """Why the cap needs more than a plan, where the regions' argument copies hold
+        bytes (NOTE [copies in the count]); "" where they hold none."""
+        copies = sum([n for key, n in self._copied.items() if key in self._live])
+        if not copies:
+            return ""
+        return (
+            f" Of that, {copies:,} B are tensors that regions keep, for their re-runs, in "
+            "their copies of an argument they change (a key/value cache's earlier keys and "
+            "values: NOTE [copies in the count]); a plan (forget.plan) that forgets the "
+            "module around those regions keeps none, so it may fit in less, and a model "
+            "run without its cache (use_cache=False) has none to keep."
+        )
+
+    def _unread_note(self) -> str:
+        """On CPU, before any allocator record taught the count: what it cannot see."""
+        if self.cuda is not None or self.extra_bytes or self.workspace:
+            return ""
+        return (
+            " That is the count alone: kernels' workspaces, which it cannot see, are "
+            "learned from the allocator's record of a step that runs (NOTE [what the count "
+            "misses]), so a cap of exactly that may name a little more at its second step."
+        )
+
     def _evictable(self) -> Iterator[tuple[Entry, DroppableRegion]]:
         for entry in self.entries:
             region = entry.region() if entry.done else None
             if region is None or region.dropped:
                 continue
-            if all(evicted_whole(child) for child in entry.children):
+            if all(self._out_of_the_way(child) for child in entry.children):
                 yield entry, region
+
+    def _out_of_the_way(self, entry: Entry) -> bool:
+        """Whether ``entry`` lets the region around it go (NOTE [regions that hold nothing]).
+
+        NOTE [regions that hold nothing]: a region is evicted only once every region
+        inside it is, or its own slots would still hold what the outer re-run
+        rebuilds. A region that holds nothing the count has (an embedding, which
+        saves only the step's integer ids) is never evicted, since that frees
+        nothing; so it would keep the region around it (the whole decoder, whose
+        eviction a plan makes the least) from ever going. It stands in no one's
+        way: evicted or not, it holds nothing, and the outer re-run runs it again.
+        """
+        if evicted_whole(entry):
+            return True
+        live = self._live
+        held = any(key in live for key in entry.keys)
+        return not held and all(self._out_of_the_way(child) for child in entry.children)
 
     def _pick(self, last: bool) -> tuple[Entry, bool] | None:
         """The region to evict next, and whether in part (NOTE [partial evictions]):

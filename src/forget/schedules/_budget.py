@@ -22,6 +22,8 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$")
+# NOTE [a bare number]: a string budget with no unit that reads as a share as well.
+_BARE = re.compile(r"^\s*(100|[1-9][0-9]?)\s*$")
 
 
 def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
@@ -30,7 +32,7 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
     Args:
         budget: an ``int`` number of bytes; a string with a unit (``"512MiB"``,
             ``"2GB"``, ``"1.5 GiB"``, ``"1000"``; decimal units are powers of
-            1000, binary ones of 1024); a ``float`` in ``(0, 1]``, a string
+            1000, binary ones of 1024; NOTE [a bare number]); a ``float`` in ``(0, 1]``, a string
             ``"50%"``, or a number string with a decimal point and no unit
             (``"0.6"``, read as the float), meaning that share of
             ``reference_bytes``.
@@ -42,13 +44,14 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
     Raises:
         TypeError: a budget of another type (``bool`` included).
         ValueError: an unknown unit, a non-positive budget, a fraction outside
-            ``(0, 1]`` or a fraction without ``reference_bytes``.
+            ``(0, 1]``, a fraction without ``reference_bytes``, or a whole number
+            from 1 to 100 with no unit (``"50"``: NOTE [a bare number]).
 
     Example:
         >>> parse_budget("512MiB"), parse_budget("2GB"), parse_budget(0.5, 1000)
         (536870912, 2000000000, 500)
-        >>> parse_budget("0.6", 1000), parse_budget("60%", 1000), parse_budget("60", 1000)
-        (600, 600, 60)
+        >>> parse_budget("0.6", 1000), parse_budget("60%", 1000), parse_budget("600", 1000)
+        (600, 600, 600)
     """
     share = budget_share(budget)
     if share is not None:
@@ -56,6 +59,14 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
     if isinstance(budget, numbers.Integral):
         return _positive(int(budget), budget)
     size = _SIZE.match(str(budget))  # a str: budget_share refused every other type
+    if size is not None and _BARE.match(str(budget)):
+        n = size.group(1)
+        raise ValueError(
+            f"forget: the budget {budget!r} is a number with no unit, which would be {n} "
+            f"bytes, and no training step fits in {n} bytes (NOTE [a bare number]); write "
+            f"'{n}%' for a share of the plain step's peak, or '{n}B' (or the int {n}) for "
+            "bytes"
+        )
     if size is None or size.group(2).lower() not in _UNITS:
         raise ValueError(
             f"forget: cannot read the budget {budget!r}; write bytes with a unit "
@@ -66,6 +77,13 @@ def parse_budget(budget: object, reference_bytes: int | None = None) -> int:
     return _positive(math.floor(value), budget)
 
 
+# NOTE [a bare number]: a string with no unit is bytes (``"1000"``, as a command
+# line gives a byte count), but a whole number from 1 to 100 reads as a share just
+# as well (``"50"`` for ``"50%"``), and read as bytes it is a budget no step fits:
+# the planner would profile the model to say so, a cap would stop at its first
+# step. So such a string is refused at once, naming both ways to say it. An int
+# stays bytes whatever its size: a Python int is a count, not a string typed in
+# a hurry, and `forget.schedules` solvers take small byte counts in their tests.
 def budget_share(budget: object) -> float | None:
     """The share of the plain peak ``budget`` names (``0.5``, ``"50%"``, ``"0.5"``); None: bytes.
 

@@ -81,7 +81,15 @@ from .._targets import untouched, zero_grads
 from .alone import Layout as _Layout
 from .alone import RealRuns
 from .apply import is_wrapped
-from .step import Call, TreeStep, check_same_calls, step_loss, traced
+from .step import (
+    Call,
+    TreeStep,
+    check_same_calls,
+    positional_batch,
+    step_loss,
+    traced,
+    warn_eval_mode,
+)
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,7 @@ def profile_tree(
     names = find_candidates(model, candidates)
     target = step.target()
     probe = allocator_probe(step)
+    warn_eval_mode(model)  # NOTE [the step as given]
     with untouched(target):
         try:
             with faked(step) as fake:
@@ -160,7 +169,12 @@ def profile_tree(
                 floor = _gradient_bytes(fake.state.values())
         except ForgetError:
             raise
-        except RuntimeError as exc:  # an op fake tensors cannot run: data-dependent, say
+        except Exception as exc:  # the step's first call
+            if (batch := positional_batch(model, step.args, step.kwargs, exc)) is not None:
+                raise batch from exc  # NOTE [a batch passed positionally]
+            if not isinstance(exc, RuntimeError):
+                raise
+            # An op fake tensors cannot run: data-dependent, say.
             warnings.warn(
                 f"forget: {type(model).__name__}'s step does not run on fake tensors "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}), so "

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -103,6 +105,83 @@ class TreeStep:
         """The step as the chain planner's `_Target` is, for `untouched` and `zero_grads`."""
         tensors = tuple(t for t in pytree.tree_leaves((self.args, self.kwargs)) if _is_tensor(t))
         return _Target([], [self.model], tensors, "tree", self.model, None)
+
+
+def warn_eval_mode(model: nn.Module) -> None:
+    """Warn where ``model`` is in eval mode (NOTE [the step as given]).
+
+    NOTE [the step as given]: a plan is measured on the step it is given, and
+    ``model.eval()`` changes that step: dropout runs as the identity and
+    BatchNorm normalizes with its running statistics, so the step holds other
+    tensors (no dropout masks, no batch statistics) and re-runs other ops. A
+    plan made there fits the eval-mode step, not the training step, which may
+    need more than the budget. The planner does not switch modes itself: a
+    model planned in eval mode on purpose (a frozen BatchNorm's fine-tuning) is
+    planned as it is, so the fix is the user's ``model.train()``, and the
+    warning says so once per plan. Only the model's own flag counts: a model
+    in train mode with some modules in eval mode chose them.
+    """
+    if model.training:
+        return
+    warnings.warn(
+        f"forget: {type(model).__name__} is in eval mode (model.training is False), and the "
+        "step is planned as given: dropout off and BatchNorm on its running statistics, "
+        "so a plan made here fits the eval-mode step, not the training step, which may hold "
+        "more (NOTE [the step as given]); call model.train() before planning to plan the "
+        "training step",
+        UserWarning,
+        stacklevel=_callers_level(),
+    )
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that makes a warning name the first frame outside forget: the
+    user's call of `forget.plan` (or of ``enable``), however deep the planner warns."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    inside = (package, contextlib.__file__)  # the planner's decorators run in contextlib
+    frame, level = sys._getframe(1), 1  # the function that warns, as ``stacklevel=1`` is
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def positional_batch(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], error: Exception
+) -> TypeError | None:
+    """The error to raise instead of ``error``, the first call's, where the batch was
+    passed as a positional dict (NOTE [a batch passed positionally]); None elsewhere.
+
+    NOTE [a batch passed positionally]: ``forget.plan(model, batch)`` with the
+    batch a dict runs ``model(batch)``, and a Hugging Face model fails deep in
+    its first op ("embedding(): argument 'indices' must be Tensor, not dict"),
+    which names neither forget nor the fix, ``**batch``. A model may take a dict
+    as a positional input on purpose, so nothing is refused before the model
+    runs: only where its first call failed, and a positional input is a mapping
+    whose keys all name other parameters of the model's forward (so it was
+    meant as those keywords), is that error replaced by one that says so.
+    """
+    signature = signature_of(model)
+    if signature is None:
+        return None
+    keywords = {
+        name
+        for name, parameter in signature.parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    }
+    for i, value in enumerate(args):
+        if not isinstance(value, Mapping) or not value:
+            continue
+        keys = list(value)
+        if all(isinstance(k, str) and k in keywords for k in keys):
+            first = str(error).splitlines()[0] if str(error) else ""
+            return TypeError(
+                f"forget: plan ran {type(model).__name__} with its positional input {i} a "
+                f"{type(value).__name__} of {', '.join(keys)}, and the model's forward failed "
+                f"on it ({type(error).__name__}: {first}); those keys are its forward's "
+                "keyword inputs, so pass the batch as keywords: forget.plan(model, **batch, "
+                "budget=...) (NOTE [a batch passed positionally])"
+            )
+    return None
 
 
 # A module call of a step's forward: the module's path and its tensor inputs' shapes.
