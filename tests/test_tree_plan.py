@@ -252,3 +252,60 @@ def test_json_round_trip(planned, tmp_path):
     assert _allocator_peak(model, planned.inputs) == plan.measured_peak_bytes
     with pytest.raises(ValueError, match="tree plan"):
         TreePlan.from_dict({"format": "forget.plan/1"})
+
+
+# ------------------------------------------------------------------ the printout
+
+
+def _printed_plan(least_searched: bool) -> TreePlan:
+    """A plan forgetting ``model`` whose two layers stay kept inside it (issue 45, item 7)."""
+    layers = tuple(
+        forget.schedules.TreeNode(f"model.layers.{i}", own_bytes=29_384_704, input_bytes=1000)
+        for i in range(2)
+    )
+    model = forget.schedules.TreeNode("model", layers, own_bytes=4096, input_bytes=512)
+    root = forget.schedules.TreeNode("<model>", (model,), own_bytes=64)
+    return TreePlan(
+        choices={"model": "forget"},
+        tree=forget.schedules.Tree(root),
+        budget_bytes=10_000,
+        measured_peak_bytes=9_000,
+        ledger_peak_bytes=8_000,
+        plain_peak_bytes=60_000_000,
+        plain_ledger_peak_bytes=59_000_000,
+        min_feasible_bytes=9_000,
+        predicted_peak_bytes=9_500,
+        predicted_extra_s=0.001,
+        probe="profiler",
+        structure=(("", "Outer"), ("model", "Inner"), ("model.layers.0", "Layer")),
+        least_searched=least_searched,
+    )
+
+
+def test_a_kept_module_inside_a_forgotten_region_holds_bytes_only_in_the_rerun():
+    plan = _printed_plan(least_searched=True)
+    rows = {r["module"]: r for r in plan.rows()}
+    assert (rows["model"]["held_bytes"], rows["model"]["rerun_bytes"]) == (512, 0)
+    layer = rows["model.layers.0"]
+    assert (layer["choice"], layer["held_bytes"], layer["rerun_bytes"]) == ("keep", 0, 29_384_704)
+    assert (rows["<model>"]["held_bytes"], rows["<model>"]["rerun_bytes"]) == (64, 0)
+    text = str(plan)
+    line = next(line for line in text.splitlines() if " model.layers.0 (" in line)
+    assert "(29,384,704)" in line and " 29,384,704" not in line.replace("(29", "")
+    assert "holds nothing from forward to backward" in text
+    assert "only while its region re-runs in backward" in text
+
+
+def test_a_plan_without_regions_in_regions_prints_no_rerun_note():
+    plan = dataclasses.replace(
+        _printed_plan(least_searched=True), choices={"model.layers.1": "forget"}
+    )
+    assert "re-runs in backward" not in str(plan)
+    assert all(r["rerun_bytes"] == 0 for r in plan.rows())
+
+
+def test_the_printout_names_the_api_way_to_the_least_budget_not_the_cli():
+    text = str(_printed_plan(least_searched=False))
+    assert "forget plan --budgets" not in text
+    assert "min_feasible_bytes" in text and "BudgetInfeasibleError" in text
+    assert "least feasible budget: 9,000 B" in str(_printed_plan(least_searched=True))

@@ -157,7 +157,10 @@ class TreePlan(SavedAsJson):
         Each row: ``module`` (path; ``"<model>"`` for the model), ``type``,
         ``depth`` in the candidate tree, ``choice``, ``region_depth`` (how many
         forgotten regions hold it, itself included), ``held_bytes`` (what it
-        holds from forward to backward under its choice, children kept) and
+        holds from forward to backward under its choice, children kept: nothing
+        inside a forgotten region, whose forward keeps only its inputs),
+        ``rerun_bytes`` (inside a forgotten region: what it holds while the
+        region re-runs in backward, until its own backward has run; else 0) and
         ``recompute_s`` (what its choice adds: the forward re-run of a
         forgotten module, an option's measured extra time).
         """
@@ -174,6 +177,7 @@ class TreePlan(SavedAsJson):
                 held, recompute = option.held_bytes, option.extra_s
             else:
                 held, recompute = node.own_bytes, 0.0
+            inside = regions > (choice == "forget")  # under a forgotten ancestor
             path = "" if node.name == ROOT else node.name
             rows.append(
                 {
@@ -182,7 +186,8 @@ class TreePlan(SavedAsJson):
                     "depth": depth,
                     "choice": choice,
                     "region_depth": regions,
-                    "held_bytes": held,
+                    "held_bytes": 0 if inside else held,
+                    "rerun_bytes": held if inside else 0,
                     "recompute_s": recompute,
                 }
             )
@@ -205,11 +210,19 @@ class TreePlan(SavedAsJson):
         for r in rows:
             name = "  " * r["depth"] + f"{r['module']} ({r['type']})"
             recompute = f"{r['recompute_s'] * 1e3:9.3f}ms" if r["recompute_s"] else f"{'-':>11}"
-            lines.append(f"  {name:<{width}} {r['choice']:<12} {r['held_bytes']:>12,} {recompute}")
+            held = f"({r['rerun_bytes']:,})" if r["rerun_bytes"] else f"{r['held_bytes']:,}"
+            lines.append(f"  {name:<{width}} {r['choice']:<12} {held:>12} {recompute}")
         ratio = self.measured_peak_bytes / max(self.plain_peak_bytes, 1)
-        lines += [
+        lines.append(
             "  (held bytes: kept from forward to backward, the module's own ops; a forgotten "
-            "module holds its inputs)",
+            "module holds its inputs)"
+        )
+        if any(r["rerun_bytes"] for r in rows):
+            lines.append(
+                "  (in brackets: a module inside a forgotten region holds nothing from forward "
+                "to backward; it holds that only while its region re-runs in backward)"
+            )
+        lines += [
             f"  peak: measured {self.measured_peak_bytes:,} B by the allocator ({self.probe}), "
             f"{ratio:.2f}x the plain {self.plain_peak_bytes:,} B predicted; ledger "
             f"{self.ledger_peak_bytes:,} B (plain {self.plain_ledger_peak_bytes:,} B); "
@@ -224,7 +237,8 @@ class TreePlan(SavedAsJson):
             f"least feasible budget: {self.min_feasible_bytes:,} B"
             if self.least_searched
             else f"least budget measured to fit: {self.min_feasible_bytes:,} B (the least "
-            "feasible was not searched for: `forget plan --budgets min` finds it)"
+            "feasible was not searched for: plan with a budget below it, and the "
+            "BudgetInfeasibleError's min_feasible_bytes names it)"
         )
         lines.append(
             f"  {least}; predicted extra time +{self.predicted_extra_s * 1e3:.3f} ms a step"
