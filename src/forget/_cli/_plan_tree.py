@@ -3,7 +3,7 @@
 The command profiles the step once (`forget._planning.TreePlanner`), plans
 every budget of ``--budgets`` (smallest first: NOTE [monotone in the budget]),
 times each plan's step beside the plain one (NOTE [paired rounds]), prints
-each plan's tree (`forget.TreePlan`'s own text) and a table of the budgets,
+each plan's tree (`forget.Plan`'s own text) and a table of the budgets,
 and writes ``--json`` and the Pareto PNG (``--pareto``/``--plot``).
 
 NOTE [the command within the budget]: as `forget.plan` (NOTE [planning within
@@ -44,7 +44,7 @@ import torch
 
 from .._errors import BudgetInfeasibleError
 from .._memory import frozen_heap
-from .._planning import TreePlan, TreePlanner, time_calls, untouched, zero_grads
+from .._planning import Plan, TreePlanner, time_calls, untouched, zero_grads
 from ..policies import Policy
 from ..schedules import MIB, budget_share, parse_budget
 from ._common import (
@@ -66,7 +66,7 @@ class TreeBudget:
 
     label: str
     budget_bytes: int
-    plan: TreePlan | None = None
+    plan: Plan | None = None
     step_s: float = 0.0  # the planned step's median seconds
     overhead: float | None = None  # over the plain step, where it was timed
 
@@ -83,6 +83,17 @@ def run(
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    return run_step(spec, step, args, labels, options)
+
+
+def run_step(
+    spec: str,
+    step: UserStep,
+    args: argparse.Namespace,
+    labels: Sequence[str],
+    options: Mapping[str, Policy],
+) -> int:
+    """`run` on a step built already (a reference model's: `forget plan --model`)."""
     progress = Progress(2 + len(labels), enabled=not args.quiet, desc="forget plan", unit="task")
     try:
         with frozen_heap():  # NOTE [frozen heap] in forget._measure
@@ -160,7 +171,7 @@ def run(
     if args.json is not None:
         payload = tree_json(spec, step, planner, rows, plain_s)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
-        wrote(args.json, "the plans (TreePlan.from_dict reads each) and the figures as JSON")
+        wrote(args.json, "the plans (Plan.from_dict reads each) and the figures as JSON")
     if args.pareto is not None:
         write_tree_pareto(spec, planner, rows, plain_s, args.pareto)
         wrote(args.pareto, "peak memory against step-time overhead for this model")
@@ -214,7 +225,7 @@ def profile_budget(labels: Sequence[str]) -> int | str | None:
 
 
 def time_plans(
-    planner: TreePlanner, plans: Mapping[str, TreePlan], rounds: int, *, plain: bool = True
+    planner: TreePlanner, plans: Mapping[str, Plan], rounds: int, *, plain: bool = True
 ) -> tuple[float | None, dict[str, tuple[float, float | None]]]:
     """The plain step's median seconds, and each plan's median seconds and overhead over it.
 
@@ -315,7 +326,7 @@ def tree_json(
     rows: Sequence[TreeBudget],
     plain_s: float | None,
 ) -> dict[str, Any]:
-    """The run as JSON: each budget's plan (`TreePlan.to_dict`) and every assignment measured."""
+    """The run as JSON: each budget's plan (`Plan.to_dict`) and every assignment measured."""
     budgets: list[dict[str, Any]] = []
     for row in rows:
         entry: dict[str, Any] = {"budget": row.label, "budget_bytes": row.budget_bytes}

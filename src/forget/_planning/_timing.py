@@ -14,7 +14,8 @@ from torch import Tensor
 from .. import schedules as P
 from .._engine import run_region
 from ._clock import WALL_CLOCK, Clock
-from ._targets import Block, _Target, untouched, zero_grads
+
+Block = Callable[[Tensor], Tensor]
 
 K = TypeVar("K")
 
@@ -103,64 +104,25 @@ def time_calls(
     return times
 
 
-def time_rounds(
-    target: _Target,
-    runners: Mapping[Any, Block | None],
-    repeats: int,
-    *,
-    clock: Clock = WALL_CLOCK,
-) -> dict[Any, list[float]]:
-    """Step times of each runner (``None``: plain) on ``target``, round by round (`time_calls`).
-
-    The model is left as it was (`untouched`); gradients are zeroed, untimed,
-    before every step.
-    """
-    steps = {key: functools.partial(target.step, runner) for key, runner in runners.items()}
-    with untouched(target):
-        return time_calls(steps, repeats, prepare=lambda _: zero_grads(target), clock=clock)
-
-
-def time_side_by_side(
-    target: _Target,
-    runners: Mapping[Any, Block | None],
-    repeats: int,
-    *,
-    clock: Clock = WALL_CLOCK,
-) -> dict[Any, float]:
-    """Median step time of each runner (``None``: plain), timed side by side (`time_rounds`)."""
-    rounds = time_rounds(target, runners, repeats, clock=clock)
-    return {key: statistics.median(ts) for key, ts in rounds.items()}
-
-
-def paired_overheads(
-    target: _Target, runners: Mapping[Any, Block], repeats: int, *, clock: Clock = WALL_CLOCK
-) -> dict[Any, list[float]]:
-    """Step-time overhead of each runner over the plain step, round by round.
-
-    NOTE [paired rounds]: the plain step is timed in every round beside the
-    runners (`time_rounds`), and a runner's overhead in a round is its time
-    over plain's *in the same round*, minus one; the median of those is the
-    runner's overhead. A ratio of two medians would let a slow stretch of the
-    machine that fell on plain's steps in some rounds and on a runner's in
-    others count as overhead; paired, what a round shares divides out. The
-    rounds stay paired across runners too, for a ratio's spread (`forget
-    plan`'s range of the middle runs).
-    """
-    plain = object()
-    rounds = time_rounds(target, {plain: None, **runners}, repeats, clock=clock)
-    base = rounds.pop(plain)
-    return {key: [t / b - 1 for t, b in zip(ts, base, strict=True)] for key, ts in rounds.items()}
-
-
 def fastest_of(time: Callable[[Sequence[int]], Mapping[int, Sequence[float]]], count: int) -> int:
     """The index of the fastest of ``count`` candidates; candidate 0 is the predicted fastest.
 
     ``time(indices)`` times those candidates side by side and returns their
-    step times round by round (`time_rounds`, `time_calls`). NOTE [consistently
-    faster] and NOTE [confirmed on fresh rounds] (in `forget._planning._chain.planner`):
-    each is ranked by the median of its differences to candidate 0, round by
-    round, and the best displaces candidate 0 only if it was faster in two
-    thirds of the rounds, and again in two thirds of fresh rounds.
+    step times round by round (`time_calls`).
+
+    NOTE [consistently faster]: the cost model cannot see everything a region
+    costs (allocator effects, per-op overheads that vary by position), so the
+    few best are timed. Each is ranked by the median of its differences to
+    candidate 0, round by round (what the rounds share, drift of the machine,
+    cancels), and the best displaces candidate 0 only if it was faster in two
+    thirds of the rounds: a lead won by a round or two of noise does not
+    overturn the model.
+
+    NOTE [confirmed on fresh rounds]: the challenger is the best of several, so
+    the rounds that chose it flatter it; with candidates whose true times tie,
+    one wins two rounds of three by luck often. So it displaces candidate 0
+    only if it wins two thirds of a fresh set of rounds too, rounds that had no
+    part in choosing it.
     """
     if count <= 1:
         return 0

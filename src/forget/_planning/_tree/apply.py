@@ -68,7 +68,7 @@ def policy_of(choice: str, policies: Mapping[str, Policy]) -> Policy | None:
     except KeyError:
         raise ValueError(
             f"forget: the plan uses the option {choice!r} but has no policy for it; load it "
-            "with TreePlan.load(path, options={name: policy, ...})"
+            "with Plan.load(path, options={name: policy, ...})"
         ) from None
 
 

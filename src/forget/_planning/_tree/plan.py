@@ -1,4 +1,4 @@
-"""A `TreePlan`: forgotten regions over a model's module tree, with its measured figures."""
+"""A `Plan`: forgotten regions over a model's module tree, with its measured figures."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ class _Applied:
 
 
 @dataclass(frozen=True)
-class TreePlan(SavedAsJson):
+class Plan(SavedAsJson):
     """Forgotten regions over a model's module tree that fit a memory budget, measured.
 
-    `forget.plan` returns one for a model that is not a chain. ``choices``
+    `forget.plan` returns one for every model. ``choices``
     names the modules that do not run plainly: ``"forget"`` (a forgotten region
     around the module's forward, re-run in backward) or an option of
     ``options=`` (a policy region, or regenerate); regions nest. Apply it with
@@ -107,7 +107,7 @@ class TreePlan(SavedAsJson):
         """
         if not isinstance(model, nn.Module):
             raise TypeError(
-                f"forget: TreePlan.apply takes the nn.Module it was planned on, got "
+                f"forget: Plan.apply takes the nn.Module it was planned on, got "
                 f"{type(model).__name__}"
             )
         self.check(model)
@@ -276,7 +276,7 @@ class TreePlan(SavedAsJson):
     @classmethod
     def from_dict(
         cls, obj: Mapping[str, Any], *, options: Mapping[str, Policy | bool] | None = None
-    ) -> TreePlan:
+    ) -> Plan:
         """Rebuild a plan from `to_dict`'s output; ``options`` gives the policies by name.
 
         A plan made with the default options (`DEFAULT_OPTIONS`) gets them back

@@ -1,14 +1,14 @@
 """Budgeted planning on any module: its module tree profiled, solved exactly, then measured.
 
-`forget.plan` hands a model that is no chain of blocks to `TreePlanner`: the
-candidate modules (NOTE [tree candidates]) are profiled into a
+`forget.plan` hands every model to `TreePlanner` (a chain is a module tree whose
+candidates are its children): the candidate modules (NOTE [tree candidates]) are profiled into a
 `forget.schedules.Tree` (NOTE [tree figures]), whose exact Pareto frontier
 (`forget.schedules.tree_frontier`) gives, for every budget the cost model
 accepts, the assignment with the least extra time.
 
-NOTE [tree plans measured]: as for chains (NOTE [measured, not predicted]), no
-prediction is trusted. A plan is judged by the allocator's peak of the real step
-(the profiler's events on CPU, ``max_memory_allocated`` on CUDA), not by the
+NOTE [tree plans measured]: no prediction is trusted: the cost model only
+chooses which assignments to measure. A plan is judged by the allocator's peak
+of the real step (the profiler's events on CPU, ``max_memory_allocated`` on CUDA), not by the
 ledger, which misses kernel workspaces. Every assignment tried is applied, its
 step measured once under the guard (NOTE [planning within the budget]), and
 remembered. Per budget, the search walks the frontier from the point predicted
@@ -67,6 +67,12 @@ grad passed the budget: it goes on under the fake run's ledger peak, and the
 planner names the budget without searching. Naming the predicted least with a
 margin would hold no less: it must be confirmed by the same steps.
 
+NOTE [monotone in the budget]: one planner planning several budgets remembers
+every assignment it measured, and a budget's candidates include each earlier
+one whose measured peak fits it: a plan at a larger budget is chosen among a
+superset of a smaller budget's, so it is not slower, up to timing noise.
+`forget plan` plans its budgets from the smallest up for this reason.
+
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path]), and with a policy the two need not
 hold the same bytes: a later step can peak past a budget the first was measured
@@ -107,7 +113,7 @@ from .._guard import Peak, guarded_peak
 from .._targets import _check_options, untouched, zero_grads
 from .._timing import fastest_of, time_calls
 from .apply import applied
-from .plan import TreePlan
+from .plan import Plan
 from .profile import profile_tree
 from .search import Key as _Key
 from .search import choices_key as _key
@@ -137,8 +143,8 @@ def plan_tree(
     options: Mapping[str, Policy | bool] | None = None,
     repeats: int = 3,
     samples: Sequence[Any] | None = None,
-) -> TreePlan:
-    """`forget.plan` for a model that is not a chain: see `TreePlanner`."""
+) -> Plan:
+    """`forget.plan`'s planning of one module: see `TreePlanner`."""
     planner = TreePlanner(
         model,
         args,
@@ -488,7 +494,7 @@ class TreePlanner:
     # ------------------------------------------------------------ planning
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    def plan(self, budget: int | float | str | None = None) -> TreePlan:
+    def plan(self, budget: int | float | str | None = None) -> Plan:
         """Return the fastest measured plan whose allocator peak fits ``budget``.
 
         Args:
@@ -521,7 +527,7 @@ class TreePlanner:
         best, best_peak = self._without_idle(*self._fastest(fitting), budget_bytes)
         figures = P.tree_figures(self.tree, best)
         order = {name: i for i, name in enumerate(self._names())}
-        return TreePlan(
+        return Plan(
             choices=dict(sorted(best.items(), key=lambda kv: order[kv[0]])),
             tree=self.tree,
             budget_bytes=budget_bytes,
