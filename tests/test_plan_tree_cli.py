@@ -111,7 +111,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
         "min_feasible_bytes": payload["min_feasible_bytes"],
     }
     plans = {
-        label: forget.TreePlan.from_dict(rows[label]["plan"]) for label in ("0.7", "min", "6 GB")
+        label: forget.Plan.from_dict(rows[label]["plan"]) for label in ("0.7", "min", "6 GB")
     }
     for label, plan in plans.items():
         assert plan.measured_peak_bytes <= plan.budget_bytes
@@ -140,7 +140,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert table[3].split()[-1] == "infeasible"
     assert table[4].split()[3] == "1.000"  # min: the peak is the budget
     assert out.splitlines()[-2:] == [
-        f"wrote {out_json}: the plans (TreePlan.from_dict reads each) and the figures as JSON",
+        f"wrote {out_json}: the plans (Plan.from_dict reads each) and the figures as JSON",
         f"wrote {png}: peak memory against step-time overhead for this model",
     ]
     assert png.read_bytes()[:8] == PNG
@@ -239,7 +239,7 @@ def test_a_region_that_frees_nothing_is_not_chosen(tmp_path, monkeypatch, fixed_
     assert cli_main([*argv, "--no-options", "--quiet", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     payload = json.loads(out_json.read_text())
-    plan = forget.TreePlan.from_dict(payload["budgets"][0]["plan"])
+    plan = forget.Plan.from_dict(payload["budgets"][0]["plan"])
     measured = {tuple(sorted(m["choices"])): m["peak_bytes"] for m in payload["measured"]}
     # The least peak measured is the baseline's, which forgets every innermost candidate;
     # forgetting the embedding (its ids are alive anyway) and the head (it holds its input

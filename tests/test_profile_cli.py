@@ -125,7 +125,7 @@ def test_profile_takes_the_factory_plan_takes(factory_dir, fixed_clock, capsys):
     argv = ["profile", "user_models.py:tree", "--budget", "min", "--repeats", "1", "--quiet"]
     assert cli_main([*argv, "--timeline", str(png), "--json", str(out_json)]) == 0
     data = json.loads(out_json.read_text())
-    plan = forget.TreePlan.from_dict(data["plan"])
+    plan = forget.Plan.from_dict(data["plan"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[:3] == [

@@ -16,7 +16,7 @@ TOP_LEVEL = {
     "ForgetError",
     "Plan",
     "RecomputationMismatchError",
-    "TreePlan",
+    "Plan",
     "apply_forget",
     "cap",
     "checkpoint",

@@ -26,7 +26,7 @@ from torch import nn
 
 import forget
 from _tree_models import MODELS, _allocator_peak, _step
-from forget import BudgetInfeasibleError, TreePlan
+from forget import BudgetInfeasibleError, Plan
 from forget._planning import FixedClock, TreePlanner, WallClock
 from forget._planning._tree.search import choices_key as _key
 from forget._regions import RegionForward
@@ -43,7 +43,7 @@ class Planned:
     model: nn.Module  # as planned: never applied to, compared against
     inputs: dict[str, Any]
     planner: TreePlanner
-    plans: dict[str, TreePlan]
+    plans: dict[str, Plan]
     errors: dict[str, BudgetInfeasibleError]  # a budget out of reach: what it raised
 
 
@@ -51,7 +51,7 @@ class Planned:
 def planned(request: pytest.FixtureRequest) -> Planned:
     model, inputs = MODELS[request.param]()
     planner = TreePlanner(model, (), inputs, repeats=1, clock=FixedClock())
-    plans: dict[str, TreePlan] = {}
+    plans: dict[str, Plan] = {}
     errors: dict[str, BudgetInfeasibleError] = {}
     for budget in ("75%", "50%"):
         try:
@@ -65,7 +65,7 @@ def planned(request: pytest.FixtureRequest) -> Planned:
     return Planned(request.param, model, inputs, planner, plans, errors)
 
 
-def _plan(planned: Planned, budget: str) -> TreePlan:
+def _plan(planned: Planned, budget: str) -> Plan:
     return planned.plans[budget]
 
 
@@ -121,7 +121,7 @@ def test_planned_step_equals_the_plain_step_bitwise(planned, budget):
 
 def test_least_feasible_budget_works_and_one_byte_less_raises(planned):
     least = planned.plans["least"]
-    assert isinstance(least, TreePlan)
+    assert isinstance(least, Plan)
     assert least.measured_peak_bytes <= least.budget_bytes == least.min_feasible_bytes
     with pytest.raises(BudgetInfeasibleError) as error:
         planned.planner.plan(least.min_feasible_bytes - 1)
@@ -141,7 +141,7 @@ def test_the_least_is_searched_for_only_where_wanted():
     peaks = [peak for _, peak in planner.measured.values()]
     assert plan.min_feasible_bytes == min(peaks) <= plan.measured_peak_bytes
     assert "least budget measured to fit" in str(plan)
-    assert TreePlan.from_dict(plan.to_dict()) == plan
+    assert Plan.from_dict(plan.to_dict()) == plan
     # A budget nothing fits: both are tried under it, which stops them, then for the
     # error under the predicted plain peak (NOTE [an infeasible budget named]).
     with pytest.raises(BudgetInfeasibleError) as error:
@@ -243,21 +243,21 @@ def test_the_plain_peak_is_predicted_without_running_the_plain_step(planned):
 
 def test_json_round_trip(planned, tmp_path):
     plan = _plan(planned, "least")
-    again = TreePlan.from_json(plan.to_json())
+    again = Plan.from_json(plan.to_json())
     assert again == plan
     plan.save(tmp_path / "plan.json")
-    loaded = TreePlan.load(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
     assert loaded == plan and json.loads(plan.to_json())["format"] == "forget.tree_plan/1"
     model = loaded.apply(copy.deepcopy(planned.model))
     assert _allocator_peak(model, planned.inputs) == plan.measured_peak_bytes
     with pytest.raises(ValueError, match="tree plan"):
-        TreePlan.from_dict({"format": "forget.plan/1"})
+        Plan.from_dict({"format": "forget.plan/1"})
 
 
 # ------------------------------------------------------------------ the printout
 
 
-def _printed_plan(least_searched: bool) -> TreePlan:
+def _printed_plan(least_searched: bool) -> Plan:
     """A plan forgetting ``model`` whose two layers stay kept inside it (issue 45, item 7)."""
     layers = tuple(
         forget.schedules.TreeNode(f"model.layers.{i}", own_bytes=29_384_704, input_bytes=1000)
@@ -265,7 +265,7 @@ def _printed_plan(least_searched: bool) -> TreePlan:
     )
     model = forget.schedules.TreeNode("model", layers, own_bytes=4096, input_bytes=512)
     root = forget.schedules.TreeNode("<model>", (model,), own_bytes=64)
-    return TreePlan(
+    return Plan(
         choices={"model": "forget"},
         tree=forget.schedules.Tree(root),
         budget_bytes=10_000,
