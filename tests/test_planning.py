@@ -155,7 +155,7 @@ def test_a_sequential_is_planned_in_place_with_its_names_and_gradients():
 def test_a_sequential_of_plain_layers_has_its_children_as_candidates():
     torch.manual_seed(0)
     net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())])
-    plan = forget.plan(net, torch.randn(256, 64), budget="85%", options={}, repeats=1)
+    plan = forget.plan(net, torch.randn(256, 64), budget="75%", options={}, repeats=1)
     assert plan.choices and set(plan.choices) <= {str(i) for i in range(8)}
     assert len(plan.tree) - 1 == 8  # every child, and nothing else
 
