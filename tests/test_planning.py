@@ -153,11 +153,15 @@ def test_a_sequential_is_planned_in_place_with_its_names_and_gradients():
 
 
 def test_a_sequential_of_plain_layers_has_its_children_as_candidates():
+    # The default candidates are blocks with submodules; a chain's children are its own.
+    # (Forgetting one leaf layer at a time buys little here: each holds its input
+    # either way. Segments of several children are no candidates: benchmarks/measured.md,
+    # "One planner for chains".)
     torch.manual_seed(0)
     net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())])
     plan = forget.plan(net, torch.randn(256, 64), budget="75%", options={}, repeats=1)
-    assert plan.choices and set(plan.choices) <= {str(i) for i in range(8)}
-    assert len(plan.tree) - 1 == 8  # every child, and nothing else
+    assert [node.name for node in plan.tree.root.children] == [str(i) for i in range(8)]
+    assert plan.measured_peak_bytes <= plan.budget_bytes
 
 
 @pytest.mark.parametrize("kind", ["modulelist", "list"])
