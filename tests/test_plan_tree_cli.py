@@ -320,7 +320,7 @@ ERRORS = textwrap.dedent(
         ("plan_tree_errors:list_batch", [], "a batch of type list; the batch is a tuple"),
         ("plan_tree_errors:bad_loss", [], "a loss_fn of type int; the third item is a callable"),
         ("plan_tree_errors:vector_loss", [], "loss_fn(output) must be a floating tensor with one"),
-        ("plan_tree_errors:alone", ["--split", "--size", "tiny"], "--size, --split plan the"),
+        ("plan_tree_errors:alone", ["--set", "depth=2", "--size", "tiny"], "--size, --set pick the"),
         ("plan_tree_errors:alone", ["--budgets", "lots"], "cannot read the budget"),
         (
             "plan_tree_errors:alone",
