@@ -110,9 +110,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
         "infeasible": True,
         "min_feasible_bytes": payload["min_feasible_bytes"],
     }
-    plans = {
-        label: forget.Plan.from_dict(rows[label]["plan"]) for label in ("0.7", "min", "6 GB")
-    }
+    plans = {label: forget.Plan.from_dict(rows[label]["plan"]) for label in ("0.7", "min", "6 GB")}
     for label, plan in plans.items():
         assert plan.measured_peak_bytes <= plan.budget_bytes
         # What is printed is the plan's own text, exactly, under a line naming the budget.
@@ -279,7 +277,7 @@ def test_plan_hugging_face_factory_with_a_dict_batch(tmp_path, monkeypatch, fixe
     argv = ["plan", "plan_tree_llama:build", "--budgets", "min", "--repeats", "1", "--quiet"]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
-    assert "plan_tree_llama:build @ min:\nforget tree plan: " in out
+    assert "plan_tree_llama:build @ min:\nforget plan: " in out
     rows = [line.split() for line in out.splitlines() if "(LlamaDecoderLayer)" in line]
     assert [row[0] for row in rows] == ["model.layers.0", "model.layers.1"]
     # The loss is output.loss, from the labels: at the least, no layer is kept.
@@ -320,7 +318,11 @@ ERRORS = textwrap.dedent(
         ("plan_tree_errors:list_batch", [], "a batch of type list; the batch is a tuple"),
         ("plan_tree_errors:bad_loss", [], "a loss_fn of type int; the third item is a callable"),
         ("plan_tree_errors:vector_loss", [], "loss_fn(output) must be a floating tensor with one"),
-        ("plan_tree_errors:alone", ["--set", "depth=2", "--size", "tiny"], "--size, --set pick the"),
+        (
+            "plan_tree_errors:alone",
+            ["--set", "depth=2", "--size", "tiny"],
+            "--size, --set pick the",
+        ),
         ("plan_tree_errors:alone", ["--budgets", "lots"], "cannot read the budget"),
         (
             "plan_tree_errors:alone",
@@ -420,11 +422,15 @@ def test_traceback_prints_the_whole_trace_before_the_line(tmp_path, monkeypatch,
         ]
 
 
-def test_candidate_needs_a_target(capsys):
-    assert cli_main(["plan", "--candidate", "encoder.*", "--quiet"]) == 2
-    assert "--candidate picks the regions of a module:factory target" in capsys.readouterr().err
-    assert cli_main(["plan", "--no-options", "--quiet"]) == 2
-    assert "the reference models have none" in capsys.readouterr().err
+def test_candidate_picks_a_reference_models_regions_too(fixed_clock, capsys):
+    # One planner: --candidate and --no-options mean the same for a reference model.
+    argv = ["plan", "--model", "residual_mlp", "--size", "tiny", "--budgets", "min"]
+    argv += ["--repeats", "1", "--quiet"]
+    assert cli_main([*argv, "--candidate", "blocks.*", "--no-options"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.0.fc1 (Linear)" in out and "regenerate" not in out
+    assert cli_main([*argv, "--candidate", "encoder.*"]) == 2
+    assert "candidates=['encoder.*'] matches no submodule of ResidualMLP" in capsys.readouterr().err
 
 
 def test_below_the_plain_peak_the_plain_step_is_not_run(encoder_dir, fixed_clock, capsys):

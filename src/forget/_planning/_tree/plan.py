@@ -203,7 +203,7 @@ class Plan(SavedAsJson):
         width = max(width, len("module"))
         forgotten = sum(r["choice"] != "keep" for r in rows)
         lines = [
-            f"forget tree plan: {forgotten} of {len(rows) - 1} candidate modules not kept, "
+            f"forget plan: {forgotten} of {len(rows) - 1} candidate modules not kept, "
             f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B)",
             f"  {'module':<{width}} {'choice':<12} {'held bytes':>12} {'recompute':>11}",
         ]
@@ -283,7 +283,7 @@ class Plan(SavedAsJson):
         when ``options`` is not given.
         """
         if not isinstance(obj, Mapping) or obj.get("format") != _FORMAT:
-            raise ValueError(f"forget: not a saved forget tree plan (format {_FORMAT!r} expected)")
+            raise ValueError(f"forget: not a saved forget plan (format {_FORMAT!r} expected)")
         tree = obj["tree"]
         return cls(
             choices={str(k): str(v) for k, v in obj["choices"].items()},
