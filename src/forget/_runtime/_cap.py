@@ -601,7 +601,7 @@ def _refuse_wrapped(model: nn.Module) -> None:
                 "handle.remove() on the first (or handle.set_budget to change it) before "
                 "capping again."
             )
-        if owner not in (None, HEAD) or getattr(module, "blocks_runner", None) is not None:
+        if owner not in (None, HEAD):
             raise ForgetError(
                 f"forget: {where} runs under a forget plan, and a cap decides what the plan "
                 "fixed; remove the plan first (plan.remove(model)), then cap the model."

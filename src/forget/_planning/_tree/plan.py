@@ -128,11 +128,11 @@ class Plan(SavedAsJson):
         """Undo `apply` exactly: every forward as it was, the input-size hook gone.
 
         Raises:
-            ValueError: no tree plan is applied to ``model``.
+            ValueError: no plan is applied to ``model``.
         """
         applied = model.__dict__.pop(_APPLIED, None)
         if not isinstance(applied, _Applied):
-            raise ValueError(f"forget: no tree plan is applied to {type(model).__name__}")
+            raise ValueError(f"forget: no plan is applied to {type(model).__name__}")
         unwrap_all(model, list(applied.names))
         model._forward_pre_hooks.pop(applied.hook_id, None)
         model._forward_pre_hooks_with_kwargs.pop(applied.hook_id, None)
