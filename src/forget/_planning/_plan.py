@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -93,6 +94,7 @@ def plan(
         True
     """
     planned, applied_to = _as_module(model)
+    _check_gone(planned, kwargs)
     if candidates is None and isinstance(planned, nn.Sequential):
         candidates = _chain_candidates(planned) or None
     plan_it = functools.partial(
@@ -144,6 +146,29 @@ def _as_module(model: object) -> tuple[nn.Module, nn.Module]:
         f"forget: plan takes an nn.Module, or an nn.ModuleList or list of module blocks, "
         f"got {type(model).__name__}"
     )
+
+
+# Keywords of the chain planner that planned chains before the one planner did.
+_GONE = ("algorithm", "chain", "split")
+
+
+def _check_gone(model: nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a former keyword of plan's that the model's forward does not take either."""
+    gone = [name for name in _GONE if name in kwargs]
+    if not gone:
+        return
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    gone = [name for name in gone if name not in params]
+    if gone:
+        names = ", ".join(f"{name}=" for name in gone)
+        raise TypeError(
+            f"forget: plan takes no {names} any more, and {type(model).__name__}'s forward "
+            f"takes no {gone[0]!r} either (plan hands the model the keywords it does not "
+            "take): one planner plans every model over its module tree, a chain's children "
+            "its candidates; drop it (the chain algorithms are in forget.schedules)"
+        )
 
 
 def _chain_candidates(chain: nn.Sequential) -> list[str]:
