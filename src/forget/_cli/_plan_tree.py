@@ -109,7 +109,7 @@ def run_step(
             )
             progress.update("profiled")
             rows = plan_budgets(planner, labels, lambda label: progress.update(label))
-            # NOTE [paired rounds], over twice the rounds a selection takes, as for chains.
+            # NOTE [paired rounds], over twice the rounds a selection takes.
             largest = max(row.budget_bytes for row in rows)
             plain_s, times = time_plans(
                 planner,
@@ -229,7 +229,7 @@ def time_plans(
 ) -> tuple[float | None, dict[str, tuple[float, float | None]]]:
     """The plain step's median seconds, and each plan's median seconds and overhead over it.
 
-    NOTE [paired rounds] (`forget._planning.paired_overheads`): the plain step
+    NOTE [paired rounds] (`forget._planning.ratio_range`): the plain step
     runs in every round beside the plans, and a plan's overhead in a round is
     its time over plain's in that round, minus one. Plans are applied and
     removed between steps, untimed (``prepare``); the model is left as it was.
@@ -360,7 +360,7 @@ def write_tree_pareto(
     Every assignment the planner measured is a dot (its allocator peak, its
     predicted re-runs over the plain step's measured time), the least of them
     joined into the measured trade-off curve; the baseline that forgets every
-    innermost candidate, plain, and the plans as in the chain plot (`draw_plans`).
+    innermost candidate, plain, and the plans (`draw_plans`).
     Without ``plain_s`` (NOTE [the command within the budget]) times are in
     milliseconds added, and the plans' measured times are not drawn.
     """

@@ -154,6 +154,13 @@ def ratio_range(
 ) -> tuple[float, float] | None:
     """The 5th and 95th percentiles of median(plan) / median(reference) over resampled rounds.
 
+    NOTE [paired rounds]: a plan's overhead is timed beside the plain step in
+    every round, and its overhead in a round is its time over plain's in the
+    same round, minus one; the median of those is its overhead. A ratio of two
+    medians would let a slow stretch of the machine that fell on plain's steps
+    in some rounds and on the plan's in others count as overhead; paired, what
+    a round shares divides out.
+
     NOTE [ratio range]: ``plan`` and ``reference`` are per-round overheads of the
     same rounds (NOTE [paired rounds]); the rounds are drawn with replacement,
     as pairs, ``draws`` times (seeded, so a table repeats given its timings).
@@ -185,6 +192,11 @@ def _region_overhead_s(
 ) -> float:
     """The fixed cost of one region, the median over pairs of neighbouring blocks.
 
+    NOTE [time of a region]: a forgotten region costs more than its re-run: its
+    forward runs under hooks, its re-run again, and every region has a fixed
+    cost (setup, RNG state, hooks). On small modules this outweighs the
+    forward, and a plan on forward times alone forgets many small regions where
+    fewer are faster; so the profile charges each region this fixed cost.
     Forgetting blocks ``i`` and ``i + 1`` as one region costs ``extra_pair``
     more than the plain step; as two regions, ``extra_i + extra_i+1`` (their
     stages' ``forward_nograd_s`` as profiled). The difference is what the
