@@ -1,27 +1,28 @@
 """Budgeted planning on any module: its module tree profiled, solved exactly, then measured.
 
 `forget.plan` hands every model to `TreePlanner` (a chain is a module tree whose
-candidates are its children): the candidate modules (NOTE [tree candidates]) are profiled into a
-`forget.schedules.Tree` (NOTE [tree figures]), whose exact Pareto frontier
-(`forget.schedules.tree_frontier`) gives, for every budget the cost model
-accepts, the assignment with the least extra time.
+candidates are its children): the candidate modules (NOTE [tree candidates]) are
+profiled into a `forget.schedules.Tree` (NOTE [tree figures]), whose exact
+Pareto frontier (`forget.schedules.tree_frontier`) gives, for every budget the
+cost model accepts, the assignment with the least extra time.
 
 NOTE [tree plans measured]: no prediction is trusted: the cost model only
 chooses which assignments to measure. A plan is judged by the allocator's peak
-of the real step (the profiler's events on CPU, ``max_memory_allocated`` on CUDA), not by the
-ledger, which misses kernel workspaces. Every assignment tried is applied, its
-step measured once under the guard (NOTE [planning within the budget]), and
-remembered. Per budget, the search walks the frontier from the point predicted
-to fit (doubling steps up after a fit and down after a miss, then halving)
-until a fit and a miss are within 1/128 of the plain peak (NOTE [least on
-demand] where nothing fits). Every fitting assignment measured so far is a
-candidate (NOTE [monotone in the budget]), except one whose choices hold another
-fitting one's and more (it re-runs more, so it is not faster). Those predicted
-within `_CLOSE` of the least predicted extra time, `_MAX_TIMED` at most, are timed
-side by side (`fastest_of`): the cost model ranks well enough to leave the rest
-untimed (benchmarks/measured.md, "Single measurements behind the NOTEs"). The
-plan reports the chosen one's ledger peak too, and has ``measured_peak_bytes <=
-budget_bytes``, by the allocator, for the inputs it was planned with.
+of the real step (the profiler's events on CPU, ``max_memory_allocated`` on
+CUDA), not by the ledger, which misses kernel workspaces. Every assignment tried
+is applied, its step measured once under the guard (NOTE [planning within the
+budget]), and remembered. Per budget, the search walks the frontier from the
+point predicted to fit (doubling steps up after a fit and down after a miss,
+then halving) until a fit and a miss are within 1/128 of the plain peak (NOTE
+[least on demand] where nothing fits). Every fitting assignment measured so far
+is a candidate (NOTE [monotone in the budget]), except one whose choices hold
+another fitting one's and more (it re-runs more, so it is not faster). Those
+predicted within `_CLOSE` of the least predicted extra time, `_MAX_TIMED` at
+most, are timed side by side (`fastest_of`): the cost model ranks well enough to
+leave the rest untimed (benchmarks/measured.md, "Single measurements behind the
+NOTEs"). The plan reports the chosen one's ledger peak too, and has
+``measured_peak_bytes <= budget_bytes``, by the allocator, for the inputs it was
+planned with.
 
 NOTE [least on demand]: the least feasible budget is the lesser measured peak of
 two assignments: the frontier's least-memory point and the baseline forgetting
