@@ -137,8 +137,11 @@ def test_a_sequential_is_planned_in_place_with_its_names_and_gradients():
     net = _sequential()
     x = torch.randn(128, 32)
     plan = forget.plan(net, x, budget="60%", repeats=1)
-    assert set(plan.choices) <= {str(i) for i in range(5)} | {
-        f"{i}.{j}" for i in range(5) for j in range(4)
+    blocks = {str(i) for i in range(5)}
+    assert set(plan.choices) <= blocks | {f"{i}.{j}" for i in range(5) for j in range(4)} | {
+        "[0:2]",
+        "[2:5]",
+        "[3:5]",
     }
     ours = copy.deepcopy(net)
     keys = list(ours.state_dict())
@@ -152,16 +155,47 @@ def test_a_sequential_is_planned_in_place_with_its_names_and_gradients():
     assert not any(planning.is_wrapped(m) for m in ours.modules())
 
 
-def test_a_sequential_of_plain_layers_has_its_children_as_candidates():
-    # The default candidates are blocks with submodules; a chain's children are its own.
-    # (Forgetting one leaf layer at a time buys little here: each holds its input
-    # either way. Segments of several children are no candidates: benchmarks/measured.md,
-    # "One planner for chains".)
+def _least(blocks, x):
+    with pytest.raises(BudgetInfeasibleError) as info:
+        forget.plan(blocks, x, budget=1000, options={}, repeats=1)
+    return forget.plan(blocks, x, budget=info.value.min_feasible_bytes, options={}, repeats=1)
+
+
+def test_runs_of_a_sequentials_children_are_candidates_too():
+    # NOTE [segments]: one leaf layer forgotten holds its input anyway; a run of
+    # them forgotten holds the first one's alone. A ModuleList's blocks run in the
+    # user's own loop, so its plan has no runs: the same layers, planned both ways.
     torch.manual_seed(0)
-    net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())])
-    plan = forget.plan(net, torch.randn(256, 64), budget="75%", options={}, repeats=1)
-    assert [node.name for node in plan.tree.root.children] == [str(i) for i in range(8)]
-    assert plan.measured_peak_bytes <= plan.budget_bytes
+    net = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+    x = torch.randn(256, 64)
+    runs, layers = _least(net, x), _least(nn.ModuleList(net), x)
+    assert [n.name for n in runs.tree.root.children] == ["[0:8]", "[8:16]"]
+    assert runs.tree.node("[0:4]").children[1].name == "[2:4]"
+    assert [n.name for n in layers.tree.root.children] == [str(i) for i in range(16)]
+    assert any(name.startswith("[") for name in runs.choices)
+    assert runs.measured_peak_bytes < 0.85 * layers.measured_peak_bytes
+    ours = runs.apply(copy.deepcopy(net))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(net, x), _grads(ours, x), strict=True))
+    ours.zero_grad(set_to_none=True)
+    peak = forget.measure(lambda: ours(x).sum().backward(), probe="profiler").peak_bytes
+    assert peak <= runs.measured_peak_bytes <= runs.budget_bytes
+    again = forget.Plan.from_json(runs.to_json())
+    plan_text = str(again)
+    assert "[0:8] (segment)" in plan_text
+    again.remove(again.apply(ours := copy.deepcopy(net)))
+    assert not any(planning.is_wrapped(m) for m in ours.modules())
+    assert "forward" not in ours.__dict__
+
+
+def test_a_sequential_with_a_forward_of_its_own_has_no_runs():
+    class Doubled(nn.Sequential):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    net = Doubled(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
+    plan = forget.plan(net, torch.randn(64, 32), budget=1.0, options={}, repeats=1)
+    assert [n.name for n in plan.tree.root.children] == [str(i) for i in range(8)]
 
 
 @pytest.mark.parametrize("kind", ["modulelist", "list"])

@@ -108,6 +108,7 @@ def plan(
         options=options,
         repeats=repeats,
         samples=samples,
+        segments=applied_to is planned,  # NOTE [segments]: they run in the Sequential's forward
     )
     try:
         result = _with_head_chunks(planned, plan_it)

@@ -16,6 +16,7 @@ from ...schedules import format_bytes
 from .._json import SavedAsJson
 from .._targets import _check_options
 from .apply import is_wrapped, policy_of, unwrap_all, wrap_all
+from .segments import is_segment
 from .step import LargerInputs, signature_of
 
 _FORMAT = "forget.tree_plan/1"
@@ -182,7 +183,7 @@ class Plan(SavedAsJson):
             rows.append(
                 {
                     "module": node.name,
-                    "type": types.get(path, "?").rsplit(".", 1)[-1],
+                    "type": "segment" if is_segment(node.name) else _short(types.get(path, "?")),
                     "depth": depth,
                     "choice": choice,
                     "region_depth": regions,
@@ -312,6 +313,10 @@ class Plan(SavedAsJson):
                 DEFAULT_OPTIONS if options is None and obj.get("default_options") else options
             ),
         )
+
+
+def _short(type_name: str) -> str:
+    return type_name.rsplit(".", 1)[-1]
 
 
 def _node_dict(node: P.TreeNode) -> dict[str, Any]:

@@ -119,6 +119,7 @@ from .profile import profile_tree
 from .search import Key as _Key
 from .search import choices_key as _key
 from .search import drop_regions, search_frontier, tolerance_s
+from .segments import with_segments
 from .step import TreeLossFn, TreeStep, check_same_calls, samples_step, signature_of, traced
 
 __all__ = ["TreePlanner", "plan_tree"]
@@ -144,6 +145,7 @@ def plan_tree(
     options: Mapping[str, Policy | bool] | None = None,
     repeats: int = 3,
     samples: Sequence[Any] | None = None,
+    segments: bool = True,
 ) -> Plan:
     """`forget.plan`'s planning of one module: see `TreePlanner`."""
     planner = TreePlanner(
@@ -156,6 +158,7 @@ def plan_tree(
         options=options,
         repeats=repeats,
         samples=samples,
+        segments=segments,
     )
     return planner.plan(budget)
 
@@ -181,6 +184,9 @@ class TreePlanner:
         clock: what the profile and the side-by-side timing read times on
             (`WallClock`); a test's `FixedClock` runs nothing and reports the
             same seconds for every call.
+        segments: whether runs of a chain's children are candidates (NOTE
+            [segments]); off where the plan applies to another module than
+            the one planned (a ModuleList's blocks, planned as a Sequential).
     """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
@@ -197,6 +203,7 @@ class TreePlanner:
         samples: Sequence[Any] | None = None,
         budget: int | float | str | None = None,
         clock: Clock = WALL_CLOCK,
+        segments: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"forget: TreePlanner plans an nn.Module, got {type(model).__name__}")
@@ -214,7 +221,8 @@ class TreePlanner:
         self.sizes = tuple({k: tuple(v) for k, v in s.items()} for s in sizes)
         self.structure = tuple(structure(model))
         self.profile = profile_tree(self.step, candidates, self.policies, repeats, budget, clock)
-        self.tree = self.profile.tree
+        # NOTE [segments]: a chain's runs of children are candidates too.
+        self.tree = with_segments(self.profile.tree, model) if segments else self.profile.tree
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
         self.frontier = P.tree_frontier(self.tree, unit_bytes=self.unit)
