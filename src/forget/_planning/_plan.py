@@ -1,9 +1,10 @@
 """`forget.plan`: one pipeline for every model, a module tree planned within a budget.
 
 A chain is a module tree too: an ``nn.Sequential``'s candidates are its
-children (and what the default finds inside them), and an ``nn.ModuleList``
-or list of blocks is planned as the ``nn.Sequential`` of the same modules,
-run in turn. Every model goes through `TreePlanner` (NOTE [tree plans
+children, runs of them (NOTE [segments]) and what the default finds inside
+them; an ``nn.ModuleList`` or list of blocks is planned as the
+``nn.Sequential`` of the same modules, run in turn (without runs: its blocks
+run in the user's own loop). Every model goes through `TreePlanner` (NOTE [tree plans
 measured] in `._tree.planner`): candidates, figures, the pure tree solve,
 guarded measures, then the few best timed side by side.
 """
