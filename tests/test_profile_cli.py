@@ -55,9 +55,10 @@ def test_profile_a_user_factory(factory_dir, capsys):
     argv += ["--repeats", "1", "--quiet", "--timeline", str(png), "--json", str(out_json)]
     assert cli_main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    # A chain is planned over its module tree: its children are the candidates.
+    # A chain is planned over its module tree: its children and runs of them
+    # (NOTE [segments]) are the candidates.
     assert lines[0].startswith(
-        "forget profile: user_models:build, Sequential over its module tree, 3 candidate "
+        "forget profile: user_models:build, Sequential over its module tree, 4 candidate "
         "modules, torch "
     )
     assert lines[1].startswith("plain step: peak ")
@@ -65,8 +66,9 @@ def test_profile_a_user_factory(factory_dir, capsys):
     # 128 x 16 float32 in per block; the first keeps its first Linear's and GELU's
     # outputs, 2 x 128 x 64 floats (its input is the caller's, not counted).
     assert lines[4].split()[:4] == ["0", "(Sequential)", "65,536", "0"]
-    assert lines[5].split()[:4] == ["1", "(Sequential)", "73,728", "8,192"]
-    assert lines[9].startswith("forget plan: ")
+    assert lines[5].split()[:4] == ["[1:3]", "(segment)", "0", "8,192"]
+    assert lines[6].split()[:4] == ["1", "(Sequential)", "73,728", "8,192"]
+    assert lines[10].startswith("forget plan: ")
     data = json.loads(out_json.read_text())
     plan = data["plan"]
     assert plan["measured_peak_bytes"] <= plan["budget_bytes"]

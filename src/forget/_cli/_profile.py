@@ -87,7 +87,7 @@ def format_tree_ledger(planner: TreePlanner) -> str:
 
     def visit(node: Any, depth: int) -> None:
         path = node.name if depth else ""
-        kind = types.get(path, "?").rsplit(".", 1)[-1]
+        kind = types.get(path, "segment").rsplit(".", 1)[-1]  # a run of children: no module
         name = f"{'  ' * depth}{node.name} ({kind})"
         rows.append((name, node.own_bytes, node.input_bytes, node.work_bytes, node.forward_s))
         for child in node.children:

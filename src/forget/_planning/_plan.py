@@ -21,7 +21,7 @@ from torch import nn
 
 from .._errors import BudgetInfeasibleError
 from .._memory import frozen_heap
-from .._regions import CHUNKED, CandidateSpec, find_candidates, head_hint, structure
+from .._regions import CHUNKED, CandidateSpec, head_hint, structure
 from ..policies import Policy
 from ._tree.plan import Plan
 from ._tree.planner import plan_tree
@@ -96,8 +96,6 @@ def plan(
     """
     planned, applied_to = _as_module(model)
     _check_gone(planned, kwargs)
-    if candidates is None and isinstance(planned, nn.Sequential):
-        candidates = _chain_candidates(planned) or None
     plan_it = functools.partial(
         plan_tree,
         planned,
@@ -171,12 +169,6 @@ def _check_gone(model: nn.Module, kwargs: Mapping[str, Any]) -> None:
             "take): one planner plans every model over its module tree, a chain's children "
             "its candidates; drop it (the chain algorithms are in forget.schedules)"
         )
-
-
-def _chain_candidates(chain: nn.Sequential) -> list[str]:
-    """A chain's candidates: the default ones and every child (a chain is a module tree)."""
-    children = [name for name, _ in chain.named_children()]
-    return [*dict.fromkeys([*find_candidates(chain), *children])] if children else []
 
 
 # Times a chunked head's count is doubled at most (NOTE [chunks by the budget]).

@@ -119,7 +119,7 @@ from .profile import profile_tree
 from .search import Key as _Key
 from .search import choices_key as _key
 from .search import drop_regions, search_frontier, tolerance_s
-from .segments import with_segments
+from .segments import chain_candidates, with_segments
 from .step import TreeLossFn, TreeStep, check_same_calls, samples_step, signature_of, traced
 
 __all__ = ["TreePlanner", "plan_tree"]
@@ -220,6 +220,8 @@ class TreePlanner:
         self.clock = clock
         self.sizes = tuple({k: tuple(v) for k, v in s.items()} for s in sizes)
         self.structure = tuple(structure(model))
+        if candidates is None and isinstance(model, nn.Sequential):
+            candidates = chain_candidates(model)  # a chain's children are candidates
         self.profile = profile_tree(self.step, candidates, self.policies, repeats, budget, clock)
         # NOTE [segments]: a chain's runs of children are candidates too.
         self.tree = with_segments(self.profile.tree, model) if segments else self.profile.tree

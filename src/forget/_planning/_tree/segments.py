@@ -25,9 +25,16 @@ from torch import nn
 
 from ... import schedules as P
 from ..._engine import run_region
-from ..._regions import ROOT
+from ..._regions import ROOT, find_candidates
 
-__all__ = ["is_segment", "segments_call", "with_segments"]
+__all__ = ["chain_candidates", "is_segment", "segments_call", "with_segments"]
+
+
+def chain_candidates(chain: nn.Sequential) -> list[str] | None:
+    """A chain's default candidates: the default ones and every child (a chain is a module
+    tree whose candidates are its children); None for an empty chain."""
+    children = [name for name, _ in chain.named_children()]
+    return [*dict.fromkeys([*find_candidates(chain), *children])] if children else None
 
 
 def is_segment(name: str) -> bool:
