@@ -24,7 +24,7 @@ freed, is reused without a rise). The calls, per model:
   budget measured (a plan at 1 KiB stops at its first guarded forward and
   names a bound, not the least);
 * ``plan``: ``forget.plan(model, budget=B, **batch)`` with ``B`` in bytes; the
-  returned `forget.TreePlan` is saved to a file;
+  returned `forget.Plan` is saved to a file;
 * ``step``: a fresh child loads that plan, applies it, resets the mark and
   runs one step;
 * with ``--parts``, ``parts``: `forget._planning.TreePlanner` built alone (the
@@ -280,7 +280,7 @@ def child(call: str, name: str, quick: bool, budget_bytes: int, path: str) -> di
         plan.save(path)
         return out
     if call == "step":
-        forget.TreePlan.load(path).apply(model)
+        forget.Plan.load(path).apply(model)
         before = _reset()
         step()
         return _rise(before)

@@ -128,7 +128,7 @@ class Row:
 
     budget: str
     budget_bytes: int = 0
-    plan: forget.TreePlan | None = None
+    plan: forget.Plan | None = None
     plan_s: float = 0.0
     planner: TreePlanner | None = None
     note: str = ""
@@ -216,7 +216,7 @@ def _time_all(
     Each assignment runs on its own copy of the model, applied once, as a
     tree plan: a baseline is a plan's copy with other choices.
     """
-    plans: dict[_Key, forget.TreePlan | None] = {(): None}
+    plans: dict[_Key, forget.Plan | None] = {(): None}
     for row in rows:
         if row.plan is not None:
             plans[_key(row.plan.choices)] = row.plan

@@ -395,17 +395,14 @@ class _CheckpointEveryBlock:
     def __init__(self):
         self.asked = []
 
-    def __call__(self, model, x, target, *, budget):
+    def __call__(self, model, x, *, budget, loss_fn):
         self.asked.append((tuple(x.shape), budget))
         return self
 
     def apply(self, model):
-        def runner(h):
-            for block in model.blocks:
-                h = forget.checkpoint(block, h)
-            return h
+        from forget._planning._tree.apply import wrap_all
 
-        model.blocks_runner = runner
+        wrap_all(model, {f"blocks.{i}": "forget" for i in range(len(model.blocks))}, {})
 
 
 def test_cap_rows_run_varying_shapes_beside_a_plan_and_checkpointing(monkeypatch):

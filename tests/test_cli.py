@@ -52,7 +52,7 @@ def test_python_dash_m_runs_the_same_cli():
 def test_the_command_line_keeps_kinetos_log_off_stderr():
     # NOTE [kineto's log] in forget._cli: in a fresh process, without the variable set.
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    argv = ["plan", "--model", "residual_mlp", "--size", "tiny", "--budgets", "50%"]
+    argv = ["plan", "--model", "residual_mlp", "--size", "tiny", "--budgets", "75%"]
     argv += ["--repeats", "1", "--quiet"]
     done = subprocess.run(
         [sys.executable, "-m", "forget", *argv],
@@ -63,7 +63,7 @@ def test_the_command_line_keeps_kinetos_log_off_stderr():
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[2].split()[:2] == ["residual_mlp", "50%"]
+    assert "residual_mlp @ 75%:" in done.stdout.splitlines()
     assert done.stderr == ""
 
 

@@ -31,7 +31,7 @@ def test_examples_are_found():
     assert {
         "forget._engine._forget",
         "forget._nn",
-        "forget._planning._chain.planner",
+        "forget._planning._plan",
         "forget.schedules",
     } <= set(MODULES)
 

@@ -32,7 +32,7 @@ import torch
 
 import forget
 from _clocks import fixed_wall_clock
-from forget import BudgetInfeasibleError, TreePlan
+from forget import BudgetInfeasibleError, Plan
 from forget._planning import TreePlanner
 from forget.integrations import transformers as forget_hf
 
@@ -580,7 +580,7 @@ def test_a_plan_replaces_layer_checkpointing_and_gives_it_back(
     # regenerate runs no region, whose re-run this test watches.
     assert forget_hf.enable(model, budget=0.9, inputs=INPUTS, options={}) is model
     plan = forget_hf.plan_of(model)
-    assert isinstance(plan, forget.TreePlan) and plan.choices
+    assert isinstance(plan, forget.Plan) and plan.choices
     assert plan.measured_peak_bytes <= plan.budget_bytes < plan.plain_peak_bytes
     assert forget_hf.is_enabled(model) and forget_hf.checkpointed_layers(model) == []
     layer_calls.clear(), regions.clear()
@@ -806,7 +806,7 @@ class Enabled:
     plain_peak_bytes: int
     # budget -> the model enable(budget=...) changed and its plan; for a share out of
     # reach, enabled at the budget its error named
-    runs: dict[str, tuple[Any, TreePlan]]
+    runs: dict[str, tuple[Any, Plan]]
     errors: dict[str, BudgetInfeasibleError]  # a share out of reach: what it raised
 
 
@@ -830,7 +830,7 @@ def _enabled(name: str) -> Enabled:
     model, inputs = make().train(), make_inputs()
     _step_of(model, inputs, seed=0)  # what a forward makes lazily exists before the state is read
     plain_peak = _allocator_peak(model, inputs)
-    runs: dict[str, tuple[Any, TreePlan]] = {}
+    runs: dict[str, tuple[Any, Plan]] = {}
     errors: dict[str, BudgetInfeasibleError] = {}
     with pytest.MonkeyPatch.context() as patch:
         fixed_wall_clock(patch)
@@ -854,7 +854,7 @@ def _enabled(name: str) -> Enabled:
     return Enabled(name, model, inputs, _module_state(model), plain_peak, runs, errors)
 
 
-def _run(enabled: Enabled, budget: str, copied: bool = True) -> tuple[Any, TreePlan]:
+def _run(enabled: Enabled, budget: str, copied: bool = True) -> tuple[Any, Plan]:
     """The model enabled at ``budget``, or a copy (which keeps its own door and regions)."""
     model, plan = enabled.runs[budget]
     if not copied:

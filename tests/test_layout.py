@@ -148,4 +148,4 @@ def test_public_functions_stay_functions_once_every_subpackage_is_imported():
     for name in ("forget", "checkpoint", "plan", "saved", "measure", "regenerating"):
         value = getattr(forget, name)
         assert callable(value) and not isinstance(value, type(forget)), name
-    assert forget.plan.__module__ == "forget._planning._chain.planner"
+    assert forget.plan.__module__ == "forget._planning._plan"

@@ -114,9 +114,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
         "infeasible": True,
         "min_feasible_bytes": payload["min_feasible_bytes"],
     }
-    plans = {
-        label: forget.TreePlan.from_dict(rows[label]["plan"]) for label in ("0.7", "min", "6 GB")
-    }
+    plans = {label: forget.Plan.from_dict(rows[label]["plan"]) for label in ("0.7", "min", "6 GB")}
     for label, plan in plans.items():
         assert plan.measured_peak_bytes <= plan.budget_bytes
         # What is printed is the plan's own text, exactly, under a line naming the budget.
@@ -143,7 +141,7 @@ def test_plan_factory_prints_trees_and_writes_json_and_png(
     assert table[3].split()[-1] == "infeasible"
     assert table[4].split()[3] == "1.000"  # min: the peak is the budget
     assert out.splitlines()[-2:] == [
-        f"wrote {out_json}: the plans (TreePlan.from_dict reads each) and the figures as JSON",
+        f"wrote {out_json}: the plans (Plan.from_dict reads each) and the figures as JSON",
         f"wrote {png}: peak memory against step-time overhead for this model",
     ]
     assert png.read_bytes()[:8] == PNG
@@ -266,7 +264,7 @@ def test_a_region_that_frees_nothing_is_not_chosen(tmp_path, monkeypatch, fixed_
     assert cli_main([*argv, "--no-options", "--quiet", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     payload = json.loads(out_json.read_text())
-    plan = forget.TreePlan.from_dict(payload["budgets"][0]["plan"])
+    plan = forget.Plan.from_dict(payload["budgets"][0]["plan"])
     measured = {tuple(sorted(m["choices"])): m["peak_bytes"] for m in payload["measured"]}
     # The least peak measured is the baseline's, which forgets every innermost candidate;
     # forgetting the embedding (its ids are alive anyway) and the head (it holds its input
@@ -306,7 +304,7 @@ def test_plan_hugging_face_factory_with_a_dict_batch(tmp_path, monkeypatch, fixe
     argv = ["plan", "plan_tree_llama:build", "--budgets", "min", "--repeats", "1", "--quiet"]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
-    assert "plan_tree_llama:build @ min:\nforget tree plan: " in out
+    assert "plan_tree_llama:build @ min:\nforget plan: " in out
     rows = [line.split() for line in out.splitlines() if "(LlamaDecoderLayer)" in line]
     assert [row[0] for row in rows] == ["model.layers.0", "model.layers.1"]
     # The loss is output.loss, from the labels: at the least, no layer is kept.
@@ -347,7 +345,11 @@ ERRORS = textwrap.dedent(
         ("plan_tree_errors:list_batch", [], "a batch of type list; the batch is a tuple"),
         ("plan_tree_errors:bad_loss", [], "a loss_fn of type int; the third item is a callable"),
         ("plan_tree_errors:vector_loss", [], "loss_fn(output) must be a floating tensor with one"),
-        ("plan_tree_errors:alone", ["--split", "--size", "tiny"], "--size, --split plan the"),
+        (
+            "plan_tree_errors:alone",
+            ["--set", "depth=2", "--size", "tiny"],
+            "--size, --set pick the",
+        ),
         ("plan_tree_errors:alone", ["--budgets", "lots"], "cannot read the budget"),
         ("plan_tree_errors:alone", ["--budgets", "50"], "'50%' for a share of the plain step"),
         (
@@ -502,11 +504,15 @@ def test_traceback_prints_the_whole_trace_before_the_line(tmp_path, monkeypatch,
         ]
 
 
-def test_candidate_needs_a_target(capsys):
-    assert cli_main(["plan", "--candidate", "encoder.*", "--quiet"]) == 2
-    assert "--candidate picks the regions of a module:factory target" in capsys.readouterr().err
-    assert cli_main(["plan", "--no-options", "--quiet"]) == 2
-    assert "the reference models have none" in capsys.readouterr().err
+def test_candidate_picks_a_reference_models_regions_too(fixed_clock, capsys):
+    # One planner: --candidate and --no-options mean the same for a reference model.
+    argv = ["plan", "--model", "residual_mlp", "--size", "tiny", "--budgets", "min"]
+    argv += ["--repeats", "1", "--quiet"]
+    assert cli_main([*argv, "--candidate", "blocks.*", "--no-options"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.0.fc1 (Linear)" in out and "regenerate" not in out
+    assert cli_main([*argv, "--candidate", "encoder.*"]) == 2
+    assert "candidates=['encoder.*'] matches no submodule of ResidualMLP" in capsys.readouterr().err
 
 
 def test_below_the_plain_peak_the_plain_step_is_timed_beside_the_plans(
@@ -520,7 +526,7 @@ def test_below_the_plain_peak_the_plain_step_is_timed_beside_the_plans(
     out = capsys.readouterr().out
     payload = json.loads(out_json.read_text())
     (row,) = payload["budgets"]
-    plain_s, plan = payload["plain_step_s"], forget.TreePlan.from_dict(row["plan"])
+    plain_s, plan = payload["plain_step_s"], forget.Plan.from_dict(row["plan"])
     assert plan.measured_peak_bytes < payload["plain_peak_bytes"]
     assert plain_s > 0 and row["step_s"] > 0
     # One round, paired: the plan's overhead is its time over plain's in that round.
@@ -536,6 +542,29 @@ def test_below_the_plain_peak_the_plain_step_is_timed_beside_the_plans(
     assert cells[5] == f"{100 * plan.predicted_extra_s / plain_s:+.1f}%"
     assert float(cells[6]) == pytest.approx(1e3 * row["step_s"], abs=1e-3)
     assert cells[7] == f"{100 * row['measured_overhead']:+.1f}%"
+
+
+def test_a_device_the_plain_step_would_not_fit_times_the_plans_alone(
+    encoder_dir, fixed_clock, monkeypatch, capsys
+):
+    # NOTE [the command within the budget]: on a CUDA device with less room than the
+    # plain step's predicted peak, the plain step never runs; the plans are timed alone.
+    from forget._cli import _plan_tree
+
+    ran = []
+    monkeypatch.setattr(_plan_tree, "device_room", lambda planner: ran.append(1) or 1024)
+    out_json, png = encoder_dir / "plan.json", encoder_dir / "p.png"
+    argv = ["plan", "plan_tree_encoder:with_loss", "--budgets", "min", "--repeats", "1"]
+    assert cli_main([*argv, "--json", str(out_json), "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
+    payload = json.loads(out_json.read_text())
+    (row,) = payload["budgets"]
+    assert ran and payload["plain_step_s"] is None and row["measured_overhead"] is None
+    assert row["step_s"] > 0
+    assert "plain step: not run (above the device's 1,024 B)" in out
+    cells = out[out.index(TABLE_HEADER.split()[0] + "  ") :].splitlines()[2].split()
+    assert cells[5] == cells[7] == "-"
+    assert not png.exists() and "not drawn: the plain step was not run" in err
 
 
 def test_a_size_below_the_forward_without_grad_names_the_least(encoder_dir, capsys):

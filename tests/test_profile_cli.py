@@ -55,23 +55,26 @@ def test_profile_a_user_factory(factory_dir, capsys):
     argv += ["--repeats", "1", "--quiet", "--timeline", str(png), "--json", str(out_json)]
     assert cli_main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("forget profile: user_models:build, 3 blocks, torch ")
-    assert lines[1].startswith("plain step: peak ")
-    assert (
-        " ".join(lines[2].split())
-        == "block input B output B kept B fwd tmp B bwd tmp B fwd ms bwd ms"
+    # A chain is planned over its module tree: its children and runs of them
+    # (NOTE [segments]) are the candidates.
+    assert lines[0].startswith(
+        "forget profile: user_models:build, Sequential over its module tree, 4 candidate "
+        "modules, torch "
     )
-    # 128 x 16 float32 in and out per block; it keeps the first Linear's and GELU's
+    assert lines[1].startswith("plain step: peak ")
+    assert lines[2].split() == ["module", "kept", "B", "input", "B", "work", "B", "fwd", "ms"]
+    # 128 x 16 float32 in per block; the first keeps its first Linear's and GELU's
     # outputs, 2 x 128 x 64 floats (its input is the caller's, not counted).
-    assert lines[3].split()[:4] == ["0", "8,192", "8,192", "65,536"]
-    assert lines[7].startswith("forget plan (")
+    assert lines[4].split()[:4] == ["0", "(Sequential)", "65,536", "0"]
+    assert lines[5].split()[:4] == ["[1:3]", "(segment)", "0", "8,192"]
+    assert lines[6].split()[:4] == ["1", "(Sequential)", "73,728", "8,192"]
+    assert lines[10].startswith("forget plan: ")
     data = json.loads(out_json.read_text())
     plan = data["plan"]
     assert plan["measured_peak_bytes"] <= plan["budget_bytes"]
-    # The plain step's timeline is the ledger's; its peak is predicted, from the
-    # least-memory schedule's step (NOTE [chain planning within the budget]).
+    # The timelines are the ledger's; the plain peak is predicted by the allocator.
     assert 0 < max(data["timeline"]["plain"]) <= data["plain_peak_bytes"]
-    assert max(data["timeline"]["planned"]) == plan["measured_peak_bytes"]
+    assert max(data["timeline"]["planned"]) == plan["ledger_peak_bytes"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -125,7 +128,7 @@ def test_profile_takes_the_factory_plan_takes(factory_dir, fixed_clock, capsys):
     argv = ["profile", "user_models.py:tree", "--budget", "min", "--repeats", "1", "--quiet"]
     assert cli_main([*argv, "--timeline", str(png), "--json", str(out_json)]) == 0
     data = json.loads(out_json.read_text())
-    plan = forget.TreePlan.from_dict(data["plan"])
+    plan = forget.Plan.from_dict(data["plan"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[:3] == [

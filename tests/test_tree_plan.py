@@ -26,7 +26,7 @@ from torch import nn
 
 import forget
 from _tree_models import MODELS, _allocator_peak, _step
-from forget import BudgetInfeasibleError, TreePlan
+from forget import BudgetInfeasibleError, Plan
 from forget._planning import FixedClock, TreePlanner, WallClock
 from forget._planning._tree.search import choices_key as _key
 from forget._regions import RegionForward
@@ -43,7 +43,7 @@ class Planned:
     model: nn.Module  # as planned: never applied to, compared against
     inputs: dict[str, Any]
     planner: TreePlanner
-    plans: dict[str, TreePlan]
+    plans: dict[str, Plan]
     errors: dict[str, BudgetInfeasibleError]  # a budget out of reach: what it raised
 
 
@@ -51,7 +51,7 @@ class Planned:
 def planned(request: pytest.FixtureRequest) -> Planned:
     model, inputs = MODELS[request.param]()
     planner = TreePlanner(model, (), inputs, repeats=1, clock=FixedClock())
-    plans: dict[str, TreePlan] = {}
+    plans: dict[str, Plan] = {}
     errors: dict[str, BudgetInfeasibleError] = {}
     for budget in ("75%", "50%"):
         try:
@@ -65,7 +65,7 @@ def planned(request: pytest.FixtureRequest) -> Planned:
     return Planned(request.param, model, inputs, planner, plans, errors)
 
 
-def _plan(planned: Planned, budget: str) -> TreePlan:
+def _plan(planned: Planned, budget: str) -> Plan:
     return planned.plans[budget]
 
 
@@ -121,7 +121,7 @@ def test_planned_step_equals_the_plain_step_bitwise(planned, budget):
 
 def test_least_feasible_budget_works_and_one_byte_less_raises(planned):
     least = planned.plans["least"]
-    assert isinstance(least, TreePlan)
+    assert isinstance(least, Plan)
     assert least.measured_peak_bytes <= least.budget_bytes == least.min_feasible_bytes
     with pytest.raises(BudgetInfeasibleError) as error:
         planned.planner.plan(least.min_feasible_bytes - 1)
@@ -141,7 +141,7 @@ def test_the_least_is_searched_for_only_where_wanted():
     peaks = [peak for _, peak in planner.measured.values()]
     assert plan.min_feasible_bytes == min(peaks) <= plan.measured_peak_bytes
     assert "least budget measured to fit" in str(plan)
-    assert TreePlan.from_dict(plan.to_dict()) == plan
+    assert Plan.from_dict(plan.to_dict()) == plan
     # A budget nothing fits: both are tried under it, which stops them, then for the
     # error under the predicted plain peak (NOTE [an infeasible budget named]).
     with pytest.raises(BudgetInfeasibleError) as error:
@@ -227,7 +227,7 @@ def test_apply_and_remove_keep_state_dict_keys_and_restore_plain_behaviour(plann
     assert list(model.state_dict()) == keys
     assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == before
     assert not model._forward_pre_hooks and "_forget_tree_plan" not in model.__dict__
-    with pytest.raises(ValueError, match="no tree plan"):
+    with pytest.raises(ValueError, match="no plan is applied"):
         plan.remove(model)
     assert _allocator_peak(model, planned.inputs) == plain
 
@@ -243,12 +243,69 @@ def test_the_plain_peak_is_predicted_without_running_the_plain_step(planned):
 
 def test_json_round_trip(planned, tmp_path):
     plan = _plan(planned, "least")
-    again = TreePlan.from_json(plan.to_json())
+    again = Plan.from_json(plan.to_json())
     assert again == plan
     plan.save(tmp_path / "plan.json")
-    loaded = TreePlan.load(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
     assert loaded == plan and json.loads(plan.to_json())["format"] == "forget.tree_plan/1"
     model = loaded.apply(copy.deepcopy(planned.model))
     assert _allocator_peak(model, planned.inputs) == plan.measured_peak_bytes
-    with pytest.raises(ValueError, match="tree plan"):
-        TreePlan.from_dict({"format": "forget.plan/1"})
+    with pytest.raises(ValueError, match="not a saved forget plan"):
+        Plan.from_dict({"format": "forget.plan/1"})
+
+
+# ------------------------------------------------------------------ the printout
+
+
+def _printed_plan(least_searched: bool) -> Plan:
+    """A plan forgetting ``model`` whose two layers stay kept inside it (issue 45, item 7)."""
+    layers = tuple(
+        forget.schedules.TreeNode(f"model.layers.{i}", own_bytes=29_384_704, input_bytes=1000)
+        for i in range(2)
+    )
+    model = forget.schedules.TreeNode("model", layers, own_bytes=4096, input_bytes=512)
+    root = forget.schedules.TreeNode("<model>", (model,), own_bytes=64)
+    return Plan(
+        choices={"model": "forget"},
+        tree=forget.schedules.Tree(root),
+        budget_bytes=10_000,
+        measured_peak_bytes=9_000,
+        ledger_peak_bytes=8_000,
+        plain_peak_bytes=60_000_000,
+        plain_ledger_peak_bytes=59_000_000,
+        min_feasible_bytes=9_000,
+        predicted_peak_bytes=9_500,
+        predicted_extra_s=0.001,
+        probe="profiler",
+        structure=(("", "Outer"), ("model", "Inner"), ("model.layers.0", "Layer")),
+        least_searched=least_searched,
+    )
+
+
+def test_a_kept_module_inside_a_forgotten_region_holds_bytes_only_in_the_rerun():
+    plan = _printed_plan(least_searched=True)
+    rows = {r["module"]: r for r in plan.rows()}
+    assert (rows["model"]["held_bytes"], rows["model"]["rerun_bytes"]) == (512, 0)
+    layer = rows["model.layers.0"]
+    assert (layer["choice"], layer["held_bytes"], layer["rerun_bytes"]) == ("keep", 0, 29_384_704)
+    assert (rows["<model>"]["held_bytes"], rows["<model>"]["rerun_bytes"]) == (64, 0)
+    text = str(plan)
+    line = next(line for line in text.splitlines() if " model.layers.0 (" in line)
+    assert "(29,384,704)" in line and " 29,384,704" not in line.replace("(29", "")
+    assert "holds nothing from forward to backward" in text
+    assert "only while its region re-runs in backward" in text
+
+
+def test_a_plan_without_regions_in_regions_prints_no_rerun_note():
+    plan = dataclasses.replace(
+        _printed_plan(least_searched=True), choices={"model.layers.1": "forget"}
+    )
+    assert "re-runs in backward" not in str(plan)
+    assert all(r["rerun_bytes"] == 0 for r in plan.rows())
+
+
+def test_the_printout_names_the_api_way_to_the_least_budget_not_the_cli():
+    text = str(_printed_plan(least_searched=False))
+    assert "forget plan --budgets" not in text
+    assert "min_feasible_bytes" in text and "BudgetInfeasibleError" in text
+    assert "least feasible budget: 9,000 B" in str(_printed_plan(least_searched=True))

@@ -27,7 +27,7 @@ from _tree_models import (
     _step,
     _with_grads,
 )
-from forget import TreePlan
+from forget import Plan
 from forget import policies as policies_
 from forget._planning import TreePlanner
 from forget._planning._tree.search import choices_key as _key
@@ -196,7 +196,7 @@ def test_options_are_leaf_choices_measured_per_module():
     assert option.held_bytes < layer.own_bytes
     plan = planner.plan("80%")
     assert plan.option_names == ("matmuls",) and plan.measured_peak_bytes <= plan.budget_bytes
-    loaded = TreePlan.from_json(plan.to_json(), options=options)
+    loaded = Plan.from_json(plan.to_json(), options=options)
     plain = copy.deepcopy(model)
     planned = loaded.apply(copy.deepcopy(model))
     loss, grads, _ = _step(planned, inputs)
@@ -204,7 +204,7 @@ def test_options_are_leaf_choices_measured_per_module():
     assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
     if "matmuls" in plan.choices.values():
         with pytest.raises(ValueError, match="options="):
-            TreePlan.from_json(plan.to_json()).apply(copy.deepcopy(model))
+            Plan.from_json(plan.to_json()).apply(copy.deepcopy(model))
 
 
 def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypatch):
@@ -248,7 +248,7 @@ def test_default_options_on_innermost_candidates_measured_once_per_kind(monkeypa
     assert sorted(measured) == ["Block", "LayerNorm", "Linear"]
     plan = planner.plan("80%")
     assert set(plan.choices.values()) & {"selective", "regenerate"}  # partial keeps pay here
-    loaded = TreePlan.from_json(plan.to_json())  # the defaults come back by name
+    loaded = Plan.from_json(plan.to_json())  # the defaults come back by name
     assert loaded.policies == dict(DEFAULT_OPTIONS)
     planned = loaded.apply(copy.deepcopy(model))
     loss, grads, _ = _step(planned, inputs)

@@ -148,17 +148,23 @@ def test_a_model_in_eval_mode_warns_that_the_plan_is_not_the_training_steps():
     forget.plan(model.train(), budget="70%", repeats=1, **inputs)  # no warning: errors
 
 
-def test_chain_and_tree_arguments_are_not_mixed():
-    model, inputs = _net()
-    with pytest.raises(TypeError, match="chain= and split="):
-        forget.plan(model, budget="70%", split=True, **inputs)
-    with pytest.raises(ValueError, match="exact tree solver"):
-        forget.plan(model, budget="70%", algorithm="uniform", **inputs)
+@pytest.mark.parametrize("name", ["algorithm", "chain", "split"])
+def test_the_chain_planners_keywords_are_refused_in_one_line(name):
+    # One planner: every keyword of plan's means one thing for every model, and a
+    # keyword plan does not take goes to the model, whose forward does not take these.
     chain = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    with pytest.raises(TypeError, match=r"\['candidates'\] are for a module tree"):
-        forget.plan(chain, torch.randn(4, 8), budget="70%", candidates="0")
-    with pytest.raises(TypeError, match=r"\['scale'\] are for a module tree"):
-        forget.plan(chain, torch.randn(4, 8), budget="70%", scale=1.0)
+    with pytest.raises(TypeError, match=f"forget: plan takes no {name}= any more"):
+        forget.plan(chain, torch.randn(4, 8), budget="70%", **{name: True})
+
+
+def test_candidates_and_model_keywords_work_for_a_chain_too():
+    chain = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8))
+    plan = forget.plan(chain, torch.randn(64, 8), budget=1.0, candidates="0", repeats=1)
+    assert [n.name for n in plan.tree.root.children] == ["0"]
+    model, inputs = _net()
+    assert "scale" in inputs  # a keyword input: the model's, beside plan's own
+    plan = forget.plan(model, budget="90%", candidates="encoder.layers.*", repeats=1, **inputs)
+    assert all(name.startswith("encoder.layers.") for name in plan.choices)
 
 
 # ------------------------------------------------------------------ bad input: the model untouched

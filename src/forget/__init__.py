@@ -31,15 +31,14 @@ if TYPE_CHECKING:
     from ._nn import Forget as Forget
     from ._nn import forget_sequential as forget_sequential
     from ._planning import Plan as Plan
-    from ._planning import TreePlan as TreePlan
     from ._planning import plan as plan
     from ._runtime import cap as cap
 
 __version__ = "0.1.0"
 
-# NOTE [a small face]: the top level holds what a user calls, and the types a
-# user loads a saved plan with (`Plan.load`, `TreePlan.load`); the objects the
-# functions return (a cap's handle, a memory report, a wrapped Sequential) are
+# NOTE [a small face]: the top level holds what a user calls, and the type a
+# user loads a saved plan with (`Plan.load`); the objects the
+# functions return (a cap's handle, a memory report) are
 # documented where they are returned and need no name here. Whatever a name
 # here teaches must keep working, so a name comes in only when a user needs it.
 
@@ -57,7 +56,6 @@ _LAZY: dict[str, str] = {
     "saved": "._memory",
     "plan": "._planning",
     "Plan": "._planning",
-    "TreePlan": "._planning",
     "cap": "._runtime",
 }
 
@@ -71,7 +69,6 @@ __all__ = [
     "ForgetError",
     "Plan",
     "RecomputationMismatchError",
-    "TreePlan",
     "apply_forget",
     "cap",
     "checkpoint",

@@ -40,7 +40,7 @@ from torch import Tensor
 import forget
 
 from .._planning import time_calls
-from ._common import BLOCK_WRAPPERS, mib
+from ._common import BLOCK_WRAPPERS, chain_step, mib
 from ._models import BlockModel, build_model
 
 __all__ = ["FRACTIONS", "SHARE", "CapRow", "CapRows", "format_rows", "parse_share", "run"]
@@ -171,7 +171,10 @@ def run(
         calls["plain", shape] = _bound(step, "plain", x, t)
     calls["plain", label] = _bound(step, "plain", big_x, big_t)
     try:
-        planned = forget.plan(models["plan"], big_x, big_t, budget=budget)
+        planned_step = chain_step(models["plan"], (big_x, big_t))
+        planned = forget.plan(
+            planned_step.model, *planned_step.args, budget=budget, loss_fn=planned_step.loss_fn
+        )
         planned.apply(models["plan"])
     except forget.ForgetError as error:
         rows["plan", label] = CapRow("plan", label, None, note=_first_clause(error))

@@ -7,6 +7,7 @@ and from the public names of the other packages, never from another command.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import os
@@ -300,6 +301,28 @@ def chain_inputs(
             f"forget: {spec} is not a reference model; give its input with --input-shape N,D"
         )
     return spec, model, (torch.randn(parse_shape(input_shape), generator=generator),)
+
+
+def chain_step(model: Any, inputs: tuple[Any, ...]) -> UserStep:
+    """The step `forget.plan` plans for a reference model or a chain, as a factory's step.
+
+    A reference model's ``(input, target)`` becomes its input and a loss
+    against the target; a list of blocks, the ``nn.Sequential`` of them.
+    """
+    if isinstance(model, BlockModel):
+        x, target = inputs
+        return UserStep(model, (x,), {}, functools.partial(_reference_loss, model, target))
+    if isinstance(model, Sequence) and not isinstance(model, nn.Module):
+        model = nn.Sequential(*model)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"forget: expected an nn.Module or a list of blocks, got {type(model).__name__}"
+        )
+    return UserStep(model, inputs, {}, None)
+
+
+def _reference_loss(model: BlockModel, target: Tensor, output: Tensor) -> Tensor:
+    return model.loss(output, target)
 
 
 def load_factory(spec: str) -> Callable[[], Any]:

@@ -14,10 +14,8 @@ the rest, trading one extra forward of the block for its activations.
   :func:`torch.nn.functional.scaled_dot_product_attention` and dropout
   (randomness that a recomputation must replay exactly).
 
-Every block also offers finer stages for `forget.plan` with ``split=True``
-(``forget_stages()``: an MLP block's residual sum and its LayerNorm, a GPT
-block's two residual halves, a conv block's conv, BatchNorm and ReLU), so
-that a plan may cut inside a block.
+`forget.plan` plans one as the module tree it is:
+``forget.plan(model, x, loss_fn=lambda out: model.loss(out, target))``.
 
 Build one by name and size with :func:`build_model`, or call a factory
 (:func:`residual_mlp`, :func:`small_cnn`, :func:`tiny_gpt`) with your own
@@ -76,9 +74,6 @@ class BlockModel(nn.Module):
 
     blocks: nn.ModuleList
     batch_size: int
-    #: Runs all blocks at once in place of the per-block loop when set (``None``:
-    #: the loop); `forget.Plan.apply` sets it to a planned schedule.
-    blocks_runner: Callable[[Tensor], Tensor] | None = None
 
     def embed(self, x: Tensor) -> Tensor:
         """Map the raw input to the first block's input."""
@@ -101,11 +96,8 @@ class BlockModel(nn.Module):
             The model's output (logits).
         """
         h = self.embed(x)
-        if wrap is None and self.blocks_runner is not None:
-            h = self.blocks_runner(h)
-        else:
-            for block in self.blocks:
-                h = block(h) if wrap is None else wrap(block, h)
+        for block in self.blocks:
+            h = block(h) if wrap is None else wrap(block, h)
         return self.readout(h)
 
     def example_input(
@@ -157,11 +149,6 @@ class _MLPBlock(nn.Module):
     def _residual(self, h: Tensor) -> Tensor:
         out: Tensor = h + self.fc2(F.gelu(self.fc1(h)))
         return out
-
-    def forget_stages(self) -> dict[str, nn.Module]:
-        """NOTE [finer stages]: the residual sum, then ``norm``: they meet at one tensor."""
-        residual = _Part("residual", self._residual, fc1=self.fc1, fc2=self.fc2)
-        return {"residual": residual, "norm": self.norm}
 
 
 class ResidualMLP(BlockModel):
@@ -221,10 +208,6 @@ class _ConvBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.relu(self.bn(self.conv(x)))
-
-    def forget_stages(self) -> dict[str, nn.Module]:
-        """NOTE [finer stages]: ``conv``, ``bn``, ``relu``, run in turn as `forward` runs them."""
-        return {"conv": self.conv, "bn": self.bn, "relu": nn.ReLU()}
 
 
 class SmallCNN(BlockModel):
@@ -327,37 +310,6 @@ class _GPTBlock(nn.Module):
     def _mlp_half(self, h: Tensor) -> Tensor:
         out: Tensor = h + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(h)))))
         return out
-
-    def forget_stages(self) -> dict[str, nn.Module]:
-        """NOTE [finer stages]: the two residual halves, ``attn`` then ``mlp``."""
-        return {
-            "attn": _Part("attn", self._attn_half, ln1=self.ln1, attn=self.attn, drop=self.drop),
-            "mlp": _Part(
-                "mlp", self._mlp_half, ln2=self.ln2, fc1=self.fc1, fc2=self.fc2, drop=self.drop
-            ),
-        }
-
-
-class _Part(nn.Module):
-    """One part of a block, as a module of its own (for ``forget_stages``).
-
-    It runs the block's ``run`` on the block's ``layers`` of that part (shared,
-    not copied), so its parameters and ``repr`` are those of the part, and two
-    blocks' parts compare alike (NOTE [alike stages] in ``forget._planning._chain.profile``).
-    """
-
-    def __init__(self, part: str, run: Callable[[Tensor], Tensor], **layers: nn.Module) -> None:
-        super().__init__()
-        self.part = part
-        for name, layer in layers.items():
-            self.add_module(name, layer)
-        self._run = run
-
-    def forward(self, h: Tensor) -> Tensor:
-        return self._run(h)
-
-    def extra_repr(self) -> str:
-        return f"part={self.part!r}"
 
 
 class TinyGPT(BlockModel):

@@ -3,18 +3,19 @@
 The command profiles the step once (`forget._planning.TreePlanner`), plans
 every budget of ``--budgets`` (smallest first: NOTE [monotone in the budget]),
 times each plan's step beside the plain one (NOTE [paired rounds]), prints
-each plan's tree (`forget.TreePlan`'s own text) and a table of the budgets,
+each plan's tree (`forget.Plan`'s own text) and a table of the budgets,
 and writes ``--json`` and the Pareto PNG (``--pareto``/``--plot``).
 
 NOTE [the command within the budget]: the planning holds no more than
 `forget.plan` does (NOTE [planning within the budget] in `forget._planning`):
 the profile runs within the largest budget of ``--budgets`` (`profile_budget`),
-and the plain step is never profiled, so its peak is predicted. The table then
-gives each plan's cost over the plain step, which takes the plain step's time:
-it runs in the timing rounds beside the plans (NOTE [paired rounds]), and those
-rounds alone hold its peak, whatever the budgets. A plan's share of the plain
-step's time is only meaningful measured that way: a plain time taken apart,
-in other rounds, carries other noise.
+and the plain step is never profiled, so its peak is predicted. The table gives
+each plan's cost over the plain step, measured only beside the plans in the same
+rounds (NOTE [paired rounds]: a plain time taken apart carries other noise), so
+those rounds run the plain step whatever the budgets. On the CPU a budget is a
+limit the planner keeps, not memory the machine lacks; on a CUDA device the
+plain step runs there only where its predicted peak fits what the device holds
+(`device_room`), and otherwise the plans are timed alone, in milliseconds.
 
 NOTE [factory contract]: the factory is called with no arguments (torch
 seeded by ``--seed``) and returns ``(model, batch)`` or ``(model, batch,
@@ -46,7 +47,7 @@ import torch
 
 from .._errors import BudgetInfeasibleError
 from .._memory import frozen_heap
-from .._planning import TreePlan, TreePlanner, time_calls, untouched, zero_grads
+from .._planning import Plan, TreePlanner, time_calls, untouched, zero_grads
 from ..policies import Policy
 from ..schedules import MIB, budget_share, parse_budget
 from ._common import (
@@ -67,7 +68,7 @@ class TreeBudget:
 
     label: str
     budget_bytes: int
-    plan: TreePlan | None = None
+    plan: Plan | None = None
     step_s: float = 0.0  # the planned step's median seconds
     overhead: float | None = None  # over the plain step, where it was timed
 
@@ -84,6 +85,17 @@ def run(
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    return run_step(spec, step, args, labels, options)
+
+
+def run_step(
+    spec: str,
+    step: UserStep,
+    args: argparse.Namespace,
+    labels: Sequence[str],
+    options: Mapping[str, Policy],
+) -> int:
+    """`run` on a step built already (a reference model's: `forget plan --model`)."""
     progress = Progress(2 + len(labels), enabled=not args.quiet, desc="forget plan", unit="task")
     try:
         with frozen_heap():  # NOTE [frozen heap] in forget._measure
@@ -99,9 +111,14 @@ def run(
             )
             progress.update("profiled")
             rows = plan_budgets(planner, labels, lambda label: progress.update(label))
-            # NOTE [paired rounds], over twice the rounds a selection takes, as for chains.
-            plans = {r.label: r.plan for r in rows if r.plan is not None}
-            plain_s, times = time_plans(planner, plans, 2 * args.repeats)
+            # NOTE [paired rounds], over twice the rounds a selection takes.
+            room = device_room(planner)  # NOTE [the command within the budget]
+            plain_s, times = time_plans(
+                planner,
+                {r.label: r.plan for r in rows if r.plan is not None},
+                2 * args.repeats,
+                plain=room is None or planner.plain_peak <= room,
+            )
             for row in rows:
                 row.step_s, row.overhead = times.get(row.label, (0.0, None))
             progress.update("timed")
@@ -123,10 +140,15 @@ def run(
         progress.close()
     least = planner.least()
     if not args.quiet:
+        timed = (
+            f"{plain_s * 1e3:.3f} ms measured"
+            if plain_s is not None
+            else f"not run (above the device's {device_room(planner) or 0:,} B)"
+        )
         print(
             f"forget plan {spec}: {type(step.model).__name__} over its module tree, "
-            f"{len(planner.tree) - 1} candidate modules; plain step: {plain_s * 1e3:.3f} ms "
-            f"measured, {planner.plain_peak:,} B peak predicted; probe {planner.profile.probe}, "
+            f"{len(planner.tree) - 1} candidate modules; plain step: {timed}, "
+            f"{planner.plain_peak:,} B peak predicted; probe {planner.profile.probe}, "
             f"{args.repeats} repeats, {torch.get_num_threads()} threads, torch {torch.__version__}"
         )
         for name, policy in planner.policies.items():
@@ -154,8 +176,10 @@ def run(
     if args.json is not None:
         payload = tree_json(spec, step, planner, rows, plain_s)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
-        wrote(args.json, "the plans (TreePlan.from_dict reads each) and the figures as JSON")
-    if args.pareto is not None:
+        wrote(args.json, "the plans (Plan.from_dict reads each) and the figures as JSON")
+    if args.pareto is not None and plain_s is None:
+        print(f"forget plan: {args.pareto} not drawn: the plain step was not run", file=sys.stderr)
+    elif args.pareto is not None and plain_s is not None:
         write_tree_pareto(spec, planner, rows, plain_s, args.pareto)
         wrote(args.pareto, "peak memory against step-time overhead for this model")
     if all(row.plan is None for row in rows):
@@ -207,19 +231,30 @@ def profile_budget(labels: Sequence[str]) -> int | str | None:
     return None
 
 
+def device_room(planner: TreePlanner) -> int | None:
+    """Bytes the step's CUDA device can hold now (free and torch's own), or None on the CPU."""
+    device = planner.profile.cuda
+    if device is None:
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free) + torch.cuda.memory_allocated(device)
+
+
 def time_plans(
-    planner: TreePlanner, plans: Mapping[str, TreePlan], rounds: int
-) -> tuple[float, dict[str, tuple[float, float]]]:
+    planner: TreePlanner, plans: Mapping[str, Plan], rounds: int, *, plain: bool = True
+) -> tuple[float | None, dict[str, tuple[float, float | None]]]:
     """The plain step's median seconds, and each plan's median seconds and overhead over it.
 
-    NOTE [paired rounds] (`forget._planning.paired_overheads`): the plain step
+    NOTE [paired rounds] (`forget._planning.ratio_range`): the plain step
     runs in every round beside the plans, and a plan's overhead in a round is
     its time over plain's in that round, minus one. Plans are applied and
     removed between steps, untimed (``prepare``); the model is left as it was.
+    Without ``plain`` (a device the plain step would not fit: NOTE [the command
+    within the budget]) the plans run alone: no plain time, no overheads.
     """
     step = planner.step
     model, target = step.model, step.target()
-    calls: dict[str | None, Callable[[], object]] = {None: step.run}
+    calls: dict[str | None, Callable[[], object]] = {None: step.run} if plain else {}
     calls.update(dict.fromkeys(plans, step.run))
     applied: list[str] = []
 
@@ -237,8 +272,10 @@ def time_plans(
         finally:
             if applied:
                 plans[applied.pop()].remove(model)
+    if not plain:
+        return None, {str(key): (statistics.median(ts), None) for key, ts in times.items()}
     base = times.pop(None)
-    figures: dict[str, tuple[float, float]] = {
+    figures: dict[str, tuple[float, float | None]] = {
         str(key): (
             statistics.median(ts),
             statistics.median(t / b - 1 for t, b in zip(ts, base, strict=True)),
@@ -251,7 +288,7 @@ def time_plans(
 # ------------------------------------------------------------------ output
 
 
-def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
+def format_tree_table(rows: Sequence[TreeBudget], plain_s: float | None) -> str:
     """The budgets as one aligned table: bytes, peak over budget, expected and measured time."""
     header = (
         "budget",
@@ -277,7 +314,7 @@ def format_tree_table(rows: Sequence[TreeBudget], plain_s: float) -> str:
                 f"{plan.measured_peak_bytes:,}",
                 f"{plan.measured_peak_bytes / row.budget_bytes:.3f}",
                 f"{plan.predicted_extra_s * 1e3:.3f}",
-                f"{100 * plan.predicted_extra_s / plain_s:+.1f}%",
+                "-" if plain_s is None else f"{100 * plan.predicted_extra_s / plain_s:+.1f}%",
                 f"{row.step_s * 1e3:.3f}",
                 "-" if row.overhead is None else f"{100 * row.overhead:+.1f}%",
                 f"{len(plan.choices)} of {len(plan.tree) - 1}",
@@ -298,9 +335,9 @@ def tree_json(
     step: UserStep,
     planner: TreePlanner,
     rows: Sequence[TreeBudget],
-    plain_s: float,
+    plain_s: float | None,
 ) -> dict[str, Any]:
-    """The run as JSON: each budget's plan (`TreePlan.to_dict`) and every assignment measured."""
+    """The run as JSON: each budget's plan (`Plan.to_dict`) and every assignment measured."""
     budgets: list[dict[str, Any]] = []
     for row in rows:
         entry: dict[str, Any] = {"budget": row.label, "budget_bytes": row.budget_bytes}
@@ -334,8 +371,8 @@ def write_tree_pareto(
     Every assignment the planner measured is a dot (its allocator peak, its
     predicted re-runs over the plain step's measured time), the least of them
     joined into the measured trade-off curve; the baseline that forgets every
-    innermost candidate, plain, and the plans as in the chain plot (`draw_plans`,
-    which puts the legend under the axes, off the points).
+    innermost candidate, plain, and the plans (`draw_plans`, which puts the
+    legend under the axes, off the points).
     """
     from matplotlib.figure import Figure  # lazy: an optional extra
 

@@ -4,10 +4,10 @@ MODEL is what ``forget plan`` takes: ``module:factory`` or
 ``path/to/file.py:factory`` returning ``(model, batch[, loss_fn])`` (NOTE
 [factory contract] in `._plan_tree`: profiled and planned over its module
 tree), a factory returning a chain (an ``nn.Sequential``, a list of blocks)
-with ``--input-shape``, or a reference model's name. The command prints the
-plain step's exact figures, what each block or candidate module keeps for
-backward, the plan for ``--budget``, and with ``--timeline PATH`` writes a PNG
-of live bytes over one training step, op by op, plain and planned.
+with ``--input-shape``, or a reference model's name, each planned over its
+module tree as well. The command prints the plain step's figures, what each
+candidate module keeps for backward, the plan for ``--budget``, and with
+``--timeline PATH`` writes a PNG of live bytes over one training step, op by op, plain and planned.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 
 from .._errors import BudgetInfeasibleError
 from .._memory import Ledger, frozen_heap, watch
-from .._planning import Plan, Planner, TreePlan, TreePlanner, untouched, zero_grads
+from .._planning import Plan, TreePlanner, untouched, zero_grads
 from ..schedules import MIB, format_bytes
 from ._common import (
     BUDGET_HELP,
@@ -33,6 +33,7 @@ from ._common import (
     above_plain_note,
     call_factory,
     chain_inputs,
+    chain_step,
     check_budget,
     check_factory_output,
     model_and_inputs,
@@ -59,23 +60,7 @@ class _TimelineLedger(Ledger):
         return out
 
 
-def timeline(
-    planner: Planner, runner: Callable[[torch.Tensor], torch.Tensor] | None
-) -> list[tuple[int, bool]]:
-    """Live bytes after each op of one training step, and whether backward ran it."""
-    target = planner.target
-    ledger = _TimelineLedger()
-    with untouched(target):
-        zero_grads(target)
-        try:
-            with watch(ledger):
-                target.step(runner)
-        finally:
-            ledger.close()
-    return ledger.samples
-
-
-def tree_timeline(planner: TreePlanner, plan: TreePlan | None) -> list[tuple[int, bool]]:
+def tree_timeline(planner: TreePlanner, plan: Plan | None) -> list[tuple[int, bool]]:
     """`timeline` for a model planned over its module tree, under ``plan`` (None: plain)."""
     step = planner.step
     target = step.target()
@@ -101,7 +86,7 @@ def format_tree_ledger(planner: TreePlanner) -> str:
 
     def visit(node: Any, depth: int) -> None:
         path = node.name if depth else ""
-        kind = types.get(path, "?").rsplit(".", 1)[-1]
+        kind = types.get(path, "segment").rsplit(".", 1)[-1]  # a run of children: no module
         name = f"{'  ' * depth}{node.name} ({kind})"
         rows.append((name, node.own_bytes, node.input_bytes, node.work_bytes, node.forward_s))
         for child in node.children:
@@ -122,27 +107,12 @@ def format_tree_ledger(planner: TreePlanner) -> str:
     return "\n".join(lines)
 
 
-def format_ledger(planner: Planner) -> str:
-    """Per block: what it reads, writes and keeps for backward, and its times."""
-    lines = [
-        f"{'block':<16}{'input B':>12}{'output B':>12}{'kept B':>12}{'fwd tmp B':>12}"
-        f"{'bwd tmp B':>12}{'fwd ms':>9}{'bwd ms':>9}",
-    ]
-    for s in planner.chain.stages:
-        lines.append(
-            f"{s.name:<16}{s.input_bytes:>12,}{s.output_bytes:>12,}{s.saved_bytes:>12,}"
-            f"{s.forward_overhead_bytes:>12,}{s.backward_overhead_bytes:>12,}"
-            f"{s.forward_s * 1e3:>9.3f}{s.backward_s * 1e3:>9.3f}"
-        )
-    return "\n".join(lines)
-
-
 def write_timeline(
     path: Path,
     name: str,
     plain: Sequence[tuple[int, bool]],
     planned: Sequence[tuple[int, bool]],
-    plan: Plan | TreePlan | None,
+    plan: Plan | None,
 ) -> None:
     """Write the PNG: live MiB over the ops of one step, plain and planned."""
     from matplotlib.figure import Figure  # lazy: an optional extra
@@ -248,67 +218,14 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    progress = Progress(3, enabled=not args.quiet, desc="forget profile", unit="task")
-    try:
-        try:
-            planner = Planner(model, inputs, repeats=args.repeats)
-        except Exception as exc:  # NOTE [the user's errors] in ._common
-            progress.close()
-            line = step_error(exc, name, model if isinstance(model, torch.nn.Module) else None,
-                              args.traceback)  # fmt: skip
-            if line is None:
-                raise
-            print(line, file=sys.stderr)
-            return 2
-        progress.update("profiled")
-        min_feasible = 0
-        if args.budget == "min":
-            min_feasible = planner.plan(planner.plain_peak).min_feasible_bytes
-        infeasible: BudgetInfeasibleError | None = None
-        try:
-            budget = resolve_budget(args.budget, planner.plain_peak, min_feasible)
-            plan: Plan | None = planner.plan(budget)
-        except BudgetInfeasibleError as exc:
-            plan, infeasible = None, exc
-        progress.update("planned")
-        plain_line = timeline(planner, None)
-        planned_line = [] if plan is None else timeline(planner, planner.runner(plan))
-        progress.update("timeline")
-    finally:
-        progress.close()
-    print(f"forget profile: {name}, {len(planner.chain)} blocks, torch {torch.__version__}")
-    print(
-        f"plain step: peak {planner.plain_peak:,} B ({format_bytes(planner.plain_peak)}), "
-        "predicted; "
-        + (
-            "the least-memory schedule passed the budget, so what the step holds outside "
-            "the block model is not measured"
-            if planner.outside is None
-            else f"measured minus the block model's prediction: {planner.outside:+,} B "
-            "(stem, head, loss and gradients; added to every predicted peak)"
-        )
-    )
-    print(format_ledger(planner))
-    print()
-    no_plan = _print_plan(args, plan, infeasible, planner.plain_peak)
-    payload: dict[str, Any] | None = None
-    if args.json is not None:
-        payload = {
-            "model": name,
-            "plain_peak_bytes": planner.plain_peak,
-            "stages": [
-                {"name": s.name, "input_bytes": s.input_bytes, "saved_bytes": s.saved_bytes}
-                for s in planner.chain.stages
-            ],
-        }
-    return _write(args, payload, name, plain_line, planned_line, plan, no_plan)
+    return run_tree(name, chain_step(model, inputs), args)
 
 
 def run_tree(spec: str, step: UserStep, args: argparse.Namespace) -> int:
     """Profile ``spec``'s step over its module tree (`forget._planning.TreePlanner`)."""
     progress = Progress(3, enabled=not args.quiet, desc="forget profile", unit="task")
     infeasible: BudgetInfeasibleError | None = None
-    plan: TreePlan | None = None
+    plan: Plan | None = None
     try:
         with frozen_heap():  # NOTE [frozen heap] in forget._measure
             planner = TreePlanner(

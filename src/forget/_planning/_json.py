@@ -17,7 +17,7 @@ _P = TypeVar("_P", bound="SavedAsJson")
 class SavedAsJson:
     """``to_json``, ``save``, ``from_json`` and ``load`` over ``to_dict``/``from_dict``.
 
-    `Plan` and `TreePlan` differ in what their dict holds, not in how it reaches a
+    `Plan`'s ``to_dict`` says what its dict holds; this is how it reaches a
     file; ``options`` gives back the policies of a plan's options by name.
     """
 

@@ -14,7 +14,8 @@ from torch import Tensor
 from .. import schedules as P
 from .._engine import run_region
 from ._clock import WALL_CLOCK, Clock
-from ._targets import Block, _Target, untouched, zero_grads
+
+Block = Callable[[Tensor], Tensor]
 
 K = TypeVar("K")
 
@@ -103,64 +104,25 @@ def time_calls(
     return times
 
 
-def time_rounds(
-    target: _Target,
-    runners: Mapping[Any, Block | None],
-    repeats: int,
-    *,
-    clock: Clock = WALL_CLOCK,
-) -> dict[Any, list[float]]:
-    """Step times of each runner (``None``: plain) on ``target``, round by round (`time_calls`).
-
-    The model is left as it was (`untouched`); gradients are zeroed, untimed,
-    before every step.
-    """
-    steps = {key: functools.partial(target.step, runner) for key, runner in runners.items()}
-    with untouched(target):
-        return time_calls(steps, repeats, prepare=lambda _: zero_grads(target), clock=clock)
-
-
-def time_side_by_side(
-    target: _Target,
-    runners: Mapping[Any, Block | None],
-    repeats: int,
-    *,
-    clock: Clock = WALL_CLOCK,
-) -> dict[Any, float]:
-    """Median step time of each runner (``None``: plain), timed side by side (`time_rounds`)."""
-    rounds = time_rounds(target, runners, repeats, clock=clock)
-    return {key: statistics.median(ts) for key, ts in rounds.items()}
-
-
-def paired_overheads(
-    target: _Target, runners: Mapping[Any, Block], repeats: int, *, clock: Clock = WALL_CLOCK
-) -> dict[Any, list[float]]:
-    """Step-time overhead of each runner over the plain step, round by round.
-
-    NOTE [paired rounds]: the plain step is timed in every round beside the
-    runners (`time_rounds`), and a runner's overhead in a round is its time
-    over plain's *in the same round*, minus one; the median of those is the
-    runner's overhead. A ratio of two medians would let a slow stretch of the
-    machine that fell on plain's steps in some rounds and on a runner's in
-    others count as overhead; paired, what a round shares divides out. The
-    rounds stay paired across runners too, for a ratio's spread (`forget
-    plan`'s range of the middle runs).
-    """
-    plain = object()
-    rounds = time_rounds(target, {plain: None, **runners}, repeats, clock=clock)
-    base = rounds.pop(plain)
-    return {key: [t / b - 1 for t, b in zip(ts, base, strict=True)] for key, ts in rounds.items()}
-
-
 def fastest_of(time: Callable[[Sequence[int]], Mapping[int, Sequence[float]]], count: int) -> int:
     """The index of the fastest of ``count`` candidates; candidate 0 is the predicted fastest.
 
     ``time(indices)`` times those candidates side by side and returns their
-    step times round by round (`time_rounds`, `time_calls`). NOTE [consistently
-    faster] and NOTE [confirmed on fresh rounds] (in `forget._planning._chain.planner`):
-    each is ranked by the median of its differences to candidate 0, round by
-    round, and the best displaces candidate 0 only if it was faster in two
-    thirds of the rounds, and again in two thirds of fresh rounds.
+    step times round by round (`time_calls`).
+
+    NOTE [consistently faster]: the cost model cannot see everything a region
+    costs (allocator effects, per-op overheads that vary by position), so the
+    few best are timed. Each is ranked by the median of its differences to
+    candidate 0, round by round (what the rounds share, drift of the machine,
+    cancels), and the best displaces candidate 0 only if it was faster in two
+    thirds of the rounds: a lead won by a round or two of noise does not
+    overturn the model.
+
+    NOTE [confirmed on fresh rounds]: the challenger is the best of several, so
+    the rounds that chose it flatter it; with candidates whose true times tie,
+    one wins two rounds of three by luck often. So it displaces candidate 0
+    only if it wins two thirds of a fresh set of rounds too, rounds that had no
+    part in choosing it.
     """
     if count <= 1:
         return 0
@@ -191,6 +153,13 @@ def ratio_range(
     plan: Sequence[float], reference: Sequence[float], draws: int = 2000
 ) -> tuple[float, float] | None:
     """The 5th and 95th percentiles of median(plan) / median(reference) over resampled rounds.
+
+    NOTE [paired rounds]: a plan's overhead is timed beside the plain step in
+    every round, and its overhead in a round is its time over plain's in the
+    same round, minus one; the median of those is its overhead. A ratio of two
+    medians would let a slow stretch of the machine that fell on plain's steps
+    in some rounds and on the plan's in others count as overhead; paired, what
+    a round shares divides out.
 
     NOTE [ratio range]: ``plan`` and ``reference`` are per-round overheads of the
     same rounds (NOTE [paired rounds]); the rounds are drawn with replacement,
@@ -223,6 +192,11 @@ def _region_overhead_s(
 ) -> float:
     """The fixed cost of one region, the median over pairs of neighbouring blocks.
 
+    NOTE [time of a region]: a forgotten region costs more than its re-run: its
+    forward runs under hooks, its re-run again, and every region has a fixed
+    cost (setup, RNG state, hooks). On small modules this outweighs the
+    forward, and a plan on forward times alone forgets many small regions where
+    fewer are faster; so the profile charges each region this fixed cost.
     Forgetting blocks ``i`` and ``i + 1`` as one region costs ``extra_pair``
     more than the plain step; as two regions, ``extra_i + extra_i+1`` (their
     stages' ``forward_nograd_s`` as profiled). The difference is what the

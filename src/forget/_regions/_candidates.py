@@ -5,7 +5,7 @@ forward, so a module called twice (a shared block) would be two regions, which
 the cost model does not describe, and one never called holds nothing. Such
 modules are dropped; a ``candidates=`` that matches no other raises. The model
 itself is never a candidate: forgotten, it would re-run as soon as backward
-starts (NOTE [the last segment]).
+starts, buying no memory at the peak for the cost of its re-run.
 
 NOTE [tree candidates]: any submodule may be a region, but a tree of every
 module gives the solver thousands of nodes whose regions cost more in fixed

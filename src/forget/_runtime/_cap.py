@@ -10,7 +10,7 @@ evicted region re-runs in backward exactly as a forgotten one does. The
 runtime counts the step's memory at each region boundary and evicts while
 the estimate passes the cap (NOTE [the cap's count], NOTE [eviction order]).
 The model's own forward is wrapped too: it marks the step's start and end and
-sees what autograd saves outside the regions. Like a tree plan, the cap
+sees what autograd saves outside the regions. Like a plan, the cap
 changes no class and adds no submodule, through the same wrapper (NOTE
 [instance forward] in `forget._regions`); `Cap.remove` restores each forward
 exactly.
@@ -601,7 +601,7 @@ def _refuse_wrapped(model: nn.Module) -> None:
                 "handle.remove() on the first (or handle.set_budget to change it) before "
                 "capping again."
             )
-        if owner not in (None, HEAD) or getattr(module, "blocks_runner", None) is not None:
+        if owner not in (None, HEAD):
             raise ForgetError(
                 f"forget: {where} runs under a forget plan, and a cap decides what the plan "
                 "fixed; remove the plan first (plan.remove(model)), then cap the model."

@@ -28,7 +28,7 @@ value for ``TrainingArguments``, and every other caller would still drop forget.
 
 NOTE [plan in force]: with ``budget=``, `enable` plans ``model(**inputs)`` with
 `forget.plan` (regions anywhere in the module tree, nested, the allocator's
-peak) and applies the `TreePlan` (instance forwards). transformers' own
+peak) and applies the `Plan` (instance forwards). transformers' own
 checkpointing is off while it plans and stays off: a layer in a plan's region
 and checkpointed by transformers too would be a region nested in another, re-run
 twice in backward; one checkpointed outside the plan is memory and time the plan
@@ -95,7 +95,7 @@ from ._transformers_head import chunk_loss as chunk_loss
 from ._transformers_head import chunked_loss_of as chunked_loss_of
 
 if TYPE_CHECKING:
-    from .._planning import TreePlan
+    from .._planning import Plan
     from .._runtime import Cap
 
 __all__ = [
@@ -284,8 +284,8 @@ def is_enabled(model: Any) -> bool:
     return bool(flagged) and all(getattr(getattr(m, _ATTR, None), _MARK, False) for m in flagged)
 
 
-def plan_of(model: Any) -> TreePlan | None:
-    """The `forget.TreePlan` that ``enable(model, budget=...)`` put in force, or ``None``.
+def plan_of(model: Any) -> Plan | None:
+    """The `forget.Plan` that ``enable(model, budget=...)`` put in force, or ``None``.
 
     ``print(plan_of(model))`` shows the regions as a tree with their bytes; the
     plan's ``measured_peak_bytes`` is the planned step's peak by the allocator.
@@ -368,7 +368,7 @@ class _ForgetDoor:
     def __init__(self, model: Any, options: dict[str, Any]) -> None:
         self.model = model
         self.options = options
-        self.plan: TreePlan | None = None
+        self.plan: Plan | None = None
         self.cap: Any = None  # a forget._runtime.Cap (NOTE [cap in force])
         self.name = "activation_checkpointing_enable"
         if not hasattr(model, self.name):  # transformers 4.x

@@ -18,6 +18,7 @@ from torch import nn
 from ..._engine import regenerating, run_region
 from ..._regions import owner_of, unwrap_forward, wrap_forward
 from ...policies import Policy
+from .segments import is_segment, segments_call
 
 #: The owner a plan's wrappers carry (`forget._regions.RegionForward.owner`).
 PLAN = "plan"
@@ -68,18 +69,24 @@ def policy_of(choice: str, policies: Mapping[str, Policy]) -> Policy | None:
     except KeyError:
         raise ValueError(
             f"forget: the plan uses the option {choice!r} but has no policy for it; load it "
-            "with TreePlan.load(path, options={name: policy, ...})"
+            "with Plan.load(path, options={name: policy, ...})"
         ) from None
 
 
 def wrap_all(model: nn.Module, choices: Mapping[str, str], policies: Mapping[str, Policy]) -> None:
-    """Wrap every module ``choices`` names; on an error, unwrap what was wrapped."""
+    """Wrap every module ``choices`` names, and the runs of a chain's children it names
+    (NOTE [segments]); on an error, unwrap what was wrapped."""
     done: list[nn.Module] = []
+    runs = [name for name in choices if is_segment(name)]
     try:
         for name, choice in choices.items():
+            if is_segment(name):
+                continue
             module = model.get_submodule(name)
             wrap(module, choice, policy_of(choice, policies))
             done.append(module)
+        if runs:
+            wrap_forward(model, segments_call(model, runs), PLAN, "segments")
     except BaseException:
         for module in done:
             unwrap(module)
@@ -88,7 +95,10 @@ def wrap_all(model: nn.Module, choices: Mapping[str, str], policies: Mapping[str
 
 def unwrap_all(model: nn.Module, names: Iterator[str] | list[str]) -> None:
     for name in names:
-        unwrap(model.get_submodule(name))
+        if is_segment(name):
+            unwrap_forward(model, PLAN)
+        else:
+            unwrap(model.get_submodule(name))
 
 
 @contextlib.contextmanager

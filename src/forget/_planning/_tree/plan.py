@@ -1,4 +1,4 @@
-"""A `TreePlan`: forgotten regions over a model's module tree, with its measured figures."""
+"""A `Plan`: forgotten regions over a model's module tree, with its measured figures."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ...schedules import format_bytes
 from .._json import SavedAsJson
 from .._targets import _check_options
 from .apply import is_wrapped, policy_of, unwrap_all, wrap_all
+from .segments import is_segment
 from .step import LargerInputs, signature_of
 
 _FORMAT = "forget.tree_plan/1"
@@ -31,10 +32,10 @@ class _Applied:
 
 
 @dataclass(frozen=True)
-class TreePlan(SavedAsJson):
+class Plan(SavedAsJson):
     """Forgotten regions over a model's module tree that fit a memory budget, measured.
 
-    `forget.plan` returns one for a model that is not a chain. ``choices``
+    `forget.plan` returns one for every model. ``choices``
     names the modules that do not run plainly: ``"forget"`` (a forgotten region
     around the module's forward, re-run in backward) or an option of
     ``options=`` (a policy region, or regenerate); regions nest. Apply it with
@@ -107,7 +108,7 @@ class TreePlan(SavedAsJson):
         """
         if not isinstance(model, nn.Module):
             raise TypeError(
-                f"forget: TreePlan.apply takes the nn.Module it was planned on, got "
+                f"forget: Plan.apply takes the nn.Module it was planned on, got "
                 f"{type(model).__name__}"
             )
         self.check(model)
@@ -128,11 +129,11 @@ class TreePlan(SavedAsJson):
         """Undo `apply` exactly: every forward as it was, the input-size hook gone.
 
         Raises:
-            ValueError: no tree plan is applied to ``model``.
+            ValueError: no plan is applied to ``model``.
         """
         applied = model.__dict__.pop(_APPLIED, None)
         if not isinstance(applied, _Applied):
-            raise ValueError(f"forget: no tree plan is applied to {type(model).__name__}")
+            raise ValueError(f"forget: no plan is applied to {type(model).__name__}")
         unwrap_all(model, list(applied.names))
         model._forward_pre_hooks.pop(applied.hook_id, None)
         model._forward_pre_hooks_with_kwargs.pop(applied.hook_id, None)
@@ -157,7 +158,10 @@ class TreePlan(SavedAsJson):
         Each row: ``module`` (path; ``"<model>"`` for the model), ``type``,
         ``depth`` in the candidate tree, ``choice``, ``region_depth`` (how many
         forgotten regions hold it, itself included), ``held_bytes`` (what it
-        holds from forward to backward under its choice, children kept) and
+        holds from forward to backward under its choice, children kept: nothing
+        inside a forgotten region, whose forward keeps only its inputs),
+        ``rerun_bytes`` (inside a forgotten region: what it holds while the
+        region re-runs in backward, until its own backward has run; else 0) and
         ``recompute_s`` (what its choice adds: the forward re-run of a
         forgotten module, an option's measured extra time).
         """
@@ -174,15 +178,17 @@ class TreePlan(SavedAsJson):
                 held, recompute = option.held_bytes, option.extra_s
             else:
                 held, recompute = node.own_bytes, 0.0
+            inside = regions > (choice == "forget")  # under a forgotten ancestor
             path = "" if node.name == ROOT else node.name
             rows.append(
                 {
                     "module": node.name,
-                    "type": types.get(path, "?").rsplit(".", 1)[-1],
+                    "type": "segment" if is_segment(node.name) else _short(types.get(path, "?")),
                     "depth": depth,
                     "choice": choice,
                     "region_depth": regions,
-                    "held_bytes": held,
+                    "held_bytes": 0 if inside else held,
+                    "rerun_bytes": held if inside else 0,
                     "recompute_s": recompute,
                 }
             )
@@ -198,18 +204,26 @@ class TreePlan(SavedAsJson):
         width = max(width, len("module"))
         forgotten = sum(r["choice"] != "keep" for r in rows)
         lines = [
-            f"forget tree plan: {forgotten} of {len(rows) - 1} candidate modules not kept, "
+            f"forget plan: {forgotten} of {len(rows) - 1} candidate modules not kept, "
             f"budget {format_bytes(self.budget_bytes)} ({self.budget_bytes:,} B)",
             f"  {'module':<{width}} {'choice':<12} {'held bytes':>12} {'recompute':>11}",
         ]
         for r in rows:
             name = "  " * r["depth"] + f"{r['module']} ({r['type']})"
             recompute = f"{r['recompute_s'] * 1e3:9.3f}ms" if r["recompute_s"] else f"{'-':>11}"
-            lines.append(f"  {name:<{width}} {r['choice']:<12} {r['held_bytes']:>12,} {recompute}")
+            held = f"({r['rerun_bytes']:,})" if r["rerun_bytes"] else f"{r['held_bytes']:,}"
+            lines.append(f"  {name:<{width}} {r['choice']:<12} {held:>12} {recompute}")
         ratio = self.measured_peak_bytes / max(self.plain_peak_bytes, 1)
-        lines += [
+        lines.append(
             "  (held bytes: kept from forward to backward, the module's own ops; a forgotten "
-            "module holds its inputs)",
+            "module holds its inputs)"
+        )
+        if any(r["rerun_bytes"] for r in rows):
+            lines.append(
+                "  (in brackets: a module inside a forgotten region holds nothing from forward "
+                "to backward; it holds that only while its region re-runs in backward)"
+            )
+        lines += [
             f"  peak: measured {self.measured_peak_bytes:,} B by the allocator ({self.probe}), "
             f"{ratio:.2f}x the plain {self.plain_peak_bytes:,} B predicted; ledger "
             f"{self.ledger_peak_bytes:,} B (plain {self.plain_ledger_peak_bytes:,} B); "
@@ -224,7 +238,8 @@ class TreePlan(SavedAsJson):
             f"least feasible budget: {self.min_feasible_bytes:,} B"
             if self.least_searched
             else f"least budget measured to fit: {self.min_feasible_bytes:,} B (the least "
-            "feasible was not searched for: `forget plan --budgets min` finds it)"
+            "feasible was not searched for: plan with a budget below it, and the "
+            "BudgetInfeasibleError's min_feasible_bytes names it)"
         )
         lines.append(
             f"  {least}; predicted extra time +{self.predicted_extra_s * 1e3:.3f} ms a step"
@@ -262,14 +277,14 @@ class TreePlan(SavedAsJson):
     @classmethod
     def from_dict(
         cls, obj: Mapping[str, Any], *, options: Mapping[str, Policy | bool] | None = None
-    ) -> TreePlan:
+    ) -> Plan:
         """Rebuild a plan from `to_dict`'s output; ``options`` gives the policies by name.
 
         A plan made with the default options (`DEFAULT_OPTIONS`) gets them back
         when ``options`` is not given.
         """
         if not isinstance(obj, Mapping) or obj.get("format") != _FORMAT:
-            raise ValueError(f"forget: not a saved forget tree plan (format {_FORMAT!r} expected)")
+            raise ValueError(f"forget: not a saved forget plan (format {_FORMAT!r} expected)")
         tree = obj["tree"]
         return cls(
             choices={str(k): str(v) for k, v in obj["choices"].items()},
@@ -298,6 +313,10 @@ class TreePlan(SavedAsJson):
                 DEFAULT_OPTIONS if options is None and obj.get("default_options") else options
             ),
         )
+
+
+def _short(type_name: str) -> str:
+    return type_name.rsplit(".", 1)[-1]
 
 
 def _node_dict(node: P.TreeNode) -> dict[str, Any]:

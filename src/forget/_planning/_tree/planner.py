@@ -1,27 +1,28 @@
 """Budgeted planning on any module: its module tree profiled, solved exactly, then measured.
 
-`forget.plan` hands a model that is no chain of blocks to `TreePlanner`: the
-candidate modules (NOTE [tree candidates]) are profiled into a
-`forget.schedules.Tree` (NOTE [tree figures]), whose exact Pareto frontier
-(`forget.schedules.tree_frontier`) gives, for every budget the cost model
-accepts, the assignment with the least extra time.
+`forget.plan` hands every model to `TreePlanner` (a chain is a module tree whose
+candidates are its children): the candidate modules (NOTE [tree candidates]) are
+profiled into a `forget.schedules.Tree` (NOTE [tree figures]), whose exact
+Pareto frontier (`forget.schedules.tree_frontier`) gives, for every budget the
+cost model accepts, the assignment with the least extra time.
 
-NOTE [tree plans measured]: as for chains (NOTE [measured, not predicted]), no
-prediction is trusted. A plan is judged by the allocator's peak of the real step
-(the profiler's events on CPU, ``max_memory_allocated`` on CUDA), not by the
-ledger, which misses kernel workspaces. Every assignment tried is applied, its
-step measured once under the guard (NOTE [planning within the budget]), and
-remembered. Per budget, the search walks the frontier from the point predicted
-to fit (doubling steps up after a fit and down after a miss, then halving)
-until a fit and a miss are within 1/128 of the plain peak (NOTE [least on
-demand] where nothing fits). Every fitting assignment measured so far is a
-candidate (NOTE [monotone in the budget]), except one whose choices hold another
-fitting one's and more (it re-runs more, so it is not faster). Those predicted
-within `_CLOSE` of the least predicted extra time, `_MAX_TIMED` at most, are timed
-side by side (`fastest_of`): the cost model ranks well enough to leave the rest
-untimed (benchmarks/measured.md, "Single measurements behind the NOTEs"). The
-plan reports the chosen one's ledger peak too, and has ``measured_peak_bytes <=
-budget_bytes``, by the allocator, for the inputs it was planned with.
+NOTE [tree plans measured]: no prediction is trusted: the cost model only
+chooses which assignments to measure. A plan is judged by the allocator's peak
+of the real step (the profiler's events on CPU, ``max_memory_allocated`` on
+CUDA), not by the ledger, which misses kernel workspaces. Every assignment tried
+is applied, its step measured once under the guard (NOTE [planning within the
+budget]), and remembered. Per budget, the search walks the frontier from the
+point predicted to fit (doubling steps up after a fit and down after a miss,
+then halving) until a fit and a miss are within 1/128 of the plain peak (NOTE
+[least on demand] where nothing fits). Every fitting assignment measured so far
+is a candidate (NOTE [monotone in the budget]), except one whose choices hold
+another fitting one's and more (it re-runs more, so it is not faster). Those
+predicted within `_CLOSE` of the least predicted extra time, `_MAX_TIMED` at
+most, are timed side by side (`fastest_of`): the cost model ranks well enough to
+leave the rest untimed (benchmarks/measured.md, "Single measurements behind the
+NOTEs"). The plan reports the chosen one's ledger peak too, and has
+``measured_peak_bytes <= budget_bytes``, by the allocator, for the inputs it was
+planned with.
 
 NOTE [least on demand]: the least feasible budget is the lesser measured peak of
 two assignments: the frontier's least-memory point and the baseline forgetting
@@ -67,6 +68,12 @@ grad passed the budget: it goes on under the fake run's ledger peak, and the
 planner names the budget without searching. Naming the predicted least with a
 margin would hold no less: it must be confirmed by the same steps.
 
+NOTE [monotone in the budget]: one planner planning several budgets remembers
+every assignment it measured, and a budget's candidates include each earlier
+one whose measured peak fits it: a plan at a larger budget is chosen among a
+superset of a smaller budget's, so it is not slower, up to timing noise.
+`forget plan` plans its budgets from the smallest up for this reason.
+
 NOTE [first and later steps]: a region's first call runs the exact path and
 later calls the fast one (NOTE [fast path]), and with a policy the two need not
 hold the same bytes: a later step can peak past a budget the first was measured
@@ -107,11 +114,12 @@ from .._guard import Peak, guarded_peak
 from .._targets import _check_options, untouched, zero_grads
 from .._timing import fastest_of, time_calls
 from .apply import applied
-from .plan import TreePlan
+from .plan import Plan
 from .profile import profile_tree
 from .search import Key as _Key
 from .search import choices_key as _key
 from .search import drop_regions, search_frontier, tolerance_s
+from .segments import chain_candidates, with_segments
 from .step import TreeLossFn, TreeStep, check_same_calls, samples_step, signature_of, traced
 
 __all__ = ["TreePlanner", "plan_tree"]
@@ -137,8 +145,9 @@ def plan_tree(
     options: Mapping[str, Policy | bool] | None = None,
     repeats: int = 3,
     samples: Sequence[Any] | None = None,
-) -> TreePlan:
-    """`forget.plan` for a model that is not a chain: see `TreePlanner`."""
+    segments: bool = True,
+) -> Plan:
+    """`forget.plan`'s planning of one module: see `TreePlanner`."""
     planner = TreePlanner(
         model,
         args,
@@ -149,6 +158,7 @@ def plan_tree(
         options=options,
         repeats=repeats,
         samples=samples,
+        segments=segments,
     )
     return planner.plan(budget)
 
@@ -174,6 +184,9 @@ class TreePlanner:
         clock: what the profile and the side-by-side timing read times on
             (`WallClock`); a test's `FixedClock` runs nothing and reports the
             same seconds for every call.
+        segments: whether runs of a chain's children are candidates (NOTE
+            [segments]); off where the plan applies to another module than
+            the one planned (a ModuleList's blocks, planned as a Sequential).
     """
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
@@ -190,6 +203,7 @@ class TreePlanner:
         samples: Sequence[Any] | None = None,
         budget: int | float | str | None = None,
         clock: Clock = WALL_CLOCK,
+        segments: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"forget: TreePlanner plans an nn.Module, got {type(model).__name__}")
@@ -206,8 +220,11 @@ class TreePlanner:
         self.clock = clock
         self.sizes = tuple({k: tuple(v) for k, v in s.items()} for s in sizes)
         self.structure = tuple(structure(model))
+        if candidates is None and isinstance(model, nn.Sequential):
+            candidates = chain_candidates(model)  # a chain's children are candidates
         self.profile = profile_tree(self.step, candidates, self.policies, repeats, budget, clock)
-        self.tree = self.profile.tree
+        # NOTE [segments]: a chain's runs of children are candidates too.
+        self.tree = with_segments(self.profile.tree, model) if segments else self.profile.tree
         self.plain_peak = self.profile.plain_peak_bytes
         self.unit = max(1, self.plain_peak // _UNITS_PER_PEAK)
         self.frontier = P.tree_frontier(self.tree, unit_bytes=self.unit)
@@ -488,7 +505,7 @@ class TreePlanner:
     # ------------------------------------------------------------ planning
 
     @frozen_heap()  # NOTE [frozen heap] in forget._measure
-    def plan(self, budget: int | float | str | None = None) -> TreePlan:
+    def plan(self, budget: int | float | str | None = None) -> Plan:
         """Return the fastest measured plan whose allocator peak fits ``budget``.
 
         Args:
@@ -521,7 +538,7 @@ class TreePlanner:
         best, best_peak = self._without_idle(*self._fastest(fitting), budget_bytes)
         figures = P.tree_figures(self.tree, best)
         order = {name: i for i, name in enumerate(self._names())}
-        return TreePlan(
+        return Plan(
             choices=dict(sorted(best.items(), key=lambda kv: order[kv[0]])),
             tree=self.tree,
             budget_bytes=budget_bytes,

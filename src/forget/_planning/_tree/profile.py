@@ -521,7 +521,15 @@ def _innermost(users: list[str], parent: Mapping[str, str]) -> str:
 
 
 def _signature(module: nn.Module, layout: _Layout) -> tuple[Any, ...]:
-    """What makes two modules alike (NOTE [alike stages]): they share their figures."""
+    """What makes two modules alike: they share their figures.
+
+    NOTE [alike stages]: identical blocks (a transformer's layers) cost the
+    same, but each one's times, measured over a few repeats on a busy CPU,
+    scatter by tens of percent, and the solver takes them at face value: it
+    would forget the blocks that happened to measure cheap, picking noise as if
+    it were signal. So modules whose type, ``repr``, training flag, parameter
+    shapes and input layout match share one set of figures, measured once.
+    """
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
     return (type(module), repr(module), module.training, params, layout)
 

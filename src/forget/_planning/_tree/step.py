@@ -8,8 +8,8 @@ its inputs against (`LargerInputs`); `traced` and `check_same_calls` hold the
 planner to one structure of the step (NOTE [one structure per step]).
 
 NOTE [plan's keywords]: ``forget.plan(model, *args, budget=..., **kwargs)``
-takes its own arguments (``budget``, ``loss_fn``, ``algorithm``, ``options``,
-``repeats``, ``chain``, ``split``, ``candidates``, ``samples``) by keyword,
+takes its own arguments (``budget``, ``loss_fn``, ``options``, ``candidates``,
+``samples``, ``repeats``) by keyword,
 and hands every other keyword to the model, as `forget.checkpoint` and
 `forget.measure` do with the function they run: a Hugging Face step reads as
 it is called, ``forget.plan(model, input_ids=ids, labels=ids, budget="60%")``.
@@ -102,9 +102,9 @@ class TreeStep:
         self.loss().backward()
 
     def target(self) -> _Target:
-        """The step as the chain planner's `_Target` is, for `untouched` and `zero_grads`."""
+        """What the step touches, for `untouched` and `zero_grads`."""
         tensors = tuple(t for t in pytree.tree_leaves((self.args, self.kwargs)) if _is_tensor(t))
-        return _Target([], [self.model], tensors, "tree", self.model, None)
+        return _Target([self.model], tensors)
 
 
 def warn_eval_mode(model: nn.Module) -> None:

@@ -1,0 +1,118 @@
+"""Runs of a chain's children as candidates: segments of an ``nn.Sequential``.
+
+NOTE [segments]: a candidate is one module, so on an ``nn.Sequential`` of
+single layers (``Linear, Tanh, Linear, ...``) a region is one layer, which
+holds its input forgotten or not: forgetting buys little. The chain's own
+solvers forget runs of children as one region, holding the first one's input
+alone. So when the planned model is itself an ``nn.Sequential`` (its class's
+forward, each child a candidate run once, in order), its children are grouped
+into nested runs, halves of halves (``[0:4]`` holds ``[0:2]`` and ``[2:4]``),
+each a node of the tree: no own bytes, the first child's input when forgotten,
+the children's times. The tree solver picks among them as among modules;
+halves of halves let regions nest as the chain's multi-level schedules do,
+with cuts at fixed places. A plan that forgets a run wraps the Sequential's
+forward (NOTE [instance forward]) with one that runs the children in turn,
+each forgotten run as one region.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from ... import schedules as P
+from ..._engine import run_region
+from ..._regions import ROOT, find_candidates
+
+__all__ = ["chain_candidates", "is_segment", "segments_call", "with_segments"]
+
+
+def chain_candidates(chain: nn.Sequential) -> list[str] | None:
+    """A chain's default candidates: the default ones and every child (a chain is a module
+    tree whose candidates are its children); None for an empty chain."""
+    children = [name for name, _ in chain.named_children()]
+    return [*dict.fromkeys([*find_candidates(chain), *children])] if children else None
+
+
+def is_segment(name: str) -> bool:
+    """Whether ``name`` is a run of the planned Sequential's children (``"[2:4]"``)."""
+    return name.startswith("[")
+
+
+def with_segments(tree: P.Tree, model: nn.Module) -> P.Tree:
+    """``tree`` with the runs of ``model``'s children as nodes, where it is a chain."""
+    children = tree.root.children
+    if (
+        type(model).forward is not nn.Sequential.forward
+        or [c.name for c in children] != list(model._modules)
+        or len(children) < 3
+    ):
+        return tree
+
+    def run(lo: int, hi: int) -> P.TreeNode:
+        if hi - lo == 1:
+            return children[lo]
+        mid = (lo + hi) // 2
+        parts = (run(lo, mid), run(mid, hi))
+        return P.TreeNode(
+            f"[{lo}:{hi}]",
+            parts,
+            input_bytes=children[lo].input_bytes,
+            forward_s=sum(p.forward_s for p in parts),
+        )
+
+    whole = run(0, len(children))
+    root = P.TreeNode(
+        ROOT,
+        whole.children,
+        own_bytes=tree.root.own_bytes,
+        input_bytes=tree.root.input_bytes,
+        forward_s=tree.root.forward_s,
+        options=tree.root.options,
+        can_forget=tree.root.can_forget,
+        work_bytes=tree.root.work_bytes,
+        tail_bytes=tree.root.tail_bytes,
+    )
+    return P.Tree(root, base_bytes=tree.base_bytes, floor_bytes=tree.floor_bytes)
+
+
+def segments_call(model: nn.Module, names: list[str]) -> Any:
+    """The forward call (`forget._regions.wrap_forward`) running ``names`` forgotten."""
+    spans = sorted((_span(name) for name in names), key=lambda s: (s[0], -s[1]))
+    return functools.partial(_run_segments, model, tuple(spans))
+
+
+def _span(name: str) -> tuple[int, int]:
+    lo, hi = name[1:-1].split(":")
+    return int(lo), int(hi)
+
+
+def _run_segments(
+    model: nn.Module,
+    spans: tuple[tuple[int, int], ...],
+    forward: Any,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Any:
+    (x,) = args
+    layers = list(model._modules.values())
+    return _run(layers, spans, 0, len(layers), x)
+
+
+def _run(layers: list[Any], spans: tuple[tuple[int, int], ...], lo: int, hi: int, x: Any) -> Any:
+    """Layers ``lo`` to ``hi`` in turn, each outermost span of ``spans`` inside as a region."""
+    i = lo
+    while i < hi:
+        span = next((s for s in spans if s[0] == i and s[1] <= hi and s != (lo, hi)), None)
+        if span is None:
+            x = layers[i](x)
+            i += 1
+            continue
+        inner = tuple(s for s in spans if span[0] <= s[0] and s[1] <= span[1] and s != span)
+        body = functools.partial(_run, layers, inner, span[0], span[1])
+        x = run_region(body, (x,), {})
+        i = span[1]
+    return x
