@@ -51,23 +51,38 @@ def with_segments(tree: P.Tree, model: nn.Module) -> P.Tree:
         or len(children) < 3
     ):
         return tree
+    n = len(children)
+    spans: set[tuple[int, int]] = set()
+    for span in [*_chain_spans(children), *_halves(0, n)]:
+        if not any(_cross(span, taken) for taken in spans):
+            spans.add(span)
 
-    def run(lo: int, hi: int) -> P.TreeNode:
-        if hi - lo == 1:
-            return children[lo]
-        mid = (lo + hi) // 2
-        parts = (run(lo, mid), run(mid, hi))
-        return P.TreeNode(
-            f"[{lo}:{hi}]",
-            parts,
-            input_bytes=children[lo].input_bytes,
-            forward_s=sum(p.forward_s for p in parts),
-        )
+    def run(lo: int, hi: int) -> tuple[P.TreeNode, ...]:
+        """The nodes that cover ``lo`` to ``hi``: its outermost spans, the children between."""
+        nodes: list[P.TreeNode] = []
+        i = lo
+        while i < hi:
+            inside = (t for s, t in spans if s == i and t <= hi and (s, t) != (lo, hi))
+            stop = max(inside, default=0)
+            if stop <= i + 1:
+                nodes.append(children[i])
+                i += 1
+                continue
+            parts = run(i, stop)
+            nodes.append(
+                P.TreeNode(
+                    f"[{i}:{stop}]",
+                    parts,
+                    input_bytes=children[i].input_bytes,
+                    forward_s=sum(p.forward_s for p in parts),
+                )
+            )
+            i = stop
+        return tuple(nodes)
 
-    whole = run(0, len(children))
     root = P.TreeNode(
         ROOT,
-        whole.children,
+        run(0, n),
         own_bytes=tree.root.own_bytes,
         input_bytes=tree.root.input_bytes,
         forward_s=tree.root.forward_s,
@@ -77,6 +92,66 @@ def with_segments(tree: P.Tree, model: nn.Module) -> P.Tree:
         tail_bytes=tree.root.tail_bytes,
     )
     return P.Tree(root, base_bytes=tree.base_bytes, floor_bytes=tree.floor_bytes)
+
+
+# Budgets the chain is solved at: its least and these shares of the way up to its plain peak.
+_SHARES = (0.5,)
+# The chain solver's resolution: coarse, since only where its regions fall is used.
+_UNITS = 100
+
+
+def _chain_spans(children: tuple[P.TreeNode, ...]) -> list[tuple[int, int]]:
+    """The regions of the chain solver's schedules of ``children``, the least's first."""
+    chain = _chain(children)
+    least = P.min_feasible_bytes(chain)
+    top = P.solve(chain, 1 << 62).predicted_peak_bytes
+    spans: list[tuple[int, int]] = []
+    for budget in dict.fromkeys([least, *(int(least + s * (top - least)) for s in _SHARES)]):
+        spans.extend(_regions(P.solve(chain, budget, memory_units=_UNITS).items))
+    return [span for span in dict.fromkeys(spans) if span != (0, len(children))]
+
+
+def _chain(children: tuple[P.TreeNode, ...]) -> P.Chain:
+    """The children as a chain of stages: a stage's input is the child's, its history
+    its saved bytes less that input (NOTE [segments]: no backward work)."""
+    inputs = [c.input_bytes for c in children]
+    return P.Chain(
+        tuple(
+            P.Stage(
+                c.name,
+                forward_s=c.forward_s,
+                forward_nograd_s=c.forward_s,
+                backward_s=2 * c.forward_s,
+                input_bytes=inputs[i],
+                output_bytes=inputs[i + 1] if i + 1 < len(inputs) else 0,
+                saved_bytes=max(0, c.own_bytes - inputs[i]),
+            )
+            for i, c in enumerate(children)
+        )
+    )
+
+
+def _regions(items: tuple[P.Keep | P.Region, ...]) -> list[tuple[int, int]]:
+    """The spans of every `Region` in ``items``, outer ones first."""
+    out: list[tuple[int, int]] = []
+    for item in items:
+        if isinstance(item, P.Region):
+            out.append((item.start, item.stop))
+            out.extend(_regions(item.items))
+    return out
+
+
+def _halves(lo: int, hi: int) -> list[tuple[int, int]]:
+    """Halves of halves of ``lo`` to ``hi``, outer ones first."""
+    if hi - lo < 2:
+        return []
+    mid = (lo + hi) // 2
+    return [(lo, mid), (mid, hi), *_halves(lo, mid), *_halves(mid, hi)]
+
+
+def _cross(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether spans ``a`` and ``b`` overlap without one holding the other."""
+    return a[0] < b[0] < a[1] < b[1] or b[0] < a[0] < b[1] < a[1]
 
 
 def segments_call(model: nn.Module, names: list[str]) -> Any:
