@@ -1,18 +1,22 @@
 """Runs of a chain's children as candidates: segments of an ``nn.Sequential``.
 
 NOTE [segments]: a candidate is one module, so on an ``nn.Sequential`` of
-single layers (``Linear, Tanh, Linear, ...``) a region is one layer, which
-holds its input forgotten or not: forgetting buys little. The chain's own
-solvers forget runs of children as one region, holding the first one's input
-alone. So when the planned model is itself an ``nn.Sequential`` (its class's
-forward, each child a candidate run once, in order), its children are grouped
-into nested runs, halves of halves (``[0:4]`` holds ``[0:2]`` and ``[2:4]``),
-each a node of the tree: no own bytes, the first child's input when forgotten,
-the children's times. The tree solver picks among them as among modules;
-halves of halves let regions nest as the chain's multi-level schedules do,
-with cuts at fixed places. A plan that forgets a run wraps the Sequential's
-forward (NOTE [instance forward]) with one that runs the children in turn,
-each forgotten run as one region.
+single layers (``Linear, Tanh, ...``) a forgotten layer holds its input anyway
+and forgetting buys little; a run of children forgotten holds the first one's
+input alone. So when the planned model is itself an ``nn.Sequential`` (its
+class's forward, each child run once, in order), runs of its children become
+nodes of the tree (no own bytes, the first child's input when forgotten, the
+children's times), nested, for the tree solver to pick as it picks modules.
+Which runs: the regions of the chain solver's schedules (`forget.schedules`,
+contiguous segments cut anywhere) of the children's figures, at its least
+budget first, then half way to its plain peak; then halves of halves where
+they cross none taken, so the family stays nested. Rule: the chain solver
+proposes, the tree solver and the measure decide. Reason: fixed halves cut at
+fixed places and miss the chain's least; the chain's figures (no backward
+work, inputs and outputs held to their backward) are rougher than the tree's,
+good for where to cut, not for what fits. A plan that forgets a run wraps the
+Sequential's forward (NOTE [instance forward]) to run each forgotten run as
+one region.
 """
 
 from __future__ import annotations
