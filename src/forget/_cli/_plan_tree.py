@@ -143,7 +143,7 @@ def run_step(
         timed = (
             f"{plain_s * 1e3:.3f} ms measured"
             if plain_s is not None
-            else f"not run (above the device's {device_room(planner) or 0:,} B)"
+            else f"not run (above the device's {room or 0:,} B)"
         )
         print(
             f"forget plan {spec}: {type(step.model).__name__} over its module tree, "
