@@ -108,7 +108,7 @@ def _chain_spans(children: tuple[P.TreeNode, ...]) -> list[tuple[int, int]]:
     """The regions of the chain solver's schedules of ``children``, the least's first."""
     chain = _chain(children)
     least = P.min_feasible_bytes(chain)
-    top = P.solve(chain, 1 << 62).predicted_peak_bytes
+    top = P.Schedule.from_items(chain, P.store_all_items(len(chain))).predicted_peak_bytes
     spans: list[tuple[int, int]] = []
     for budget in dict.fromkeys([least, *(int(least + s * (top - least)) for s in _SHARES)]):
         spans.extend(_regions(P.solve(chain, budget, memory_units=_UNITS).items))
