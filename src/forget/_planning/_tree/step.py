@@ -138,7 +138,7 @@ def _callers_level() -> int:
     """The ``stacklevel`` that makes a warning name the first frame outside forget: the
     user's call of `forget.plan` (or of ``enable``), however deep the planner warns."""
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    inside = (package, contextlib.__file__)  # the planner's decorators run in contextlib
+    inside = (package + os.sep, contextlib.__file__)  # decorators run in contextlib
     frame, level = sys._getframe(1), 1  # the function that warns, as ``stacklevel=1`` is
     while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
